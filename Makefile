@@ -1,0 +1,40 @@
+# make demo / make test: each creates .venv and installs what it needs first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# An unpinned torch pulls a multi-GB CUDA build; when the venv has no torch yet
+# we install the CPU build first, and pyproject.toml's floor (torch>=2.4) is
+# then already met.
+TORCH_CPU ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck pytest clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_CPU)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/tierstore demo
+
+test: lint typecheck pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# mypy cannot follow setuptools' editable import hook, which maps backends/ to
+# tierstore.backends; check a link tree laid out like the installed package.
+typecheck: $(STAMP)
+	rm -rf .build/typecheck && mkdir -p .build/typecheck/tierstore
+	ln -s $(CURDIR)/tierstore/* .build/typecheck/tierstore/
+	ln -s $(CURDIR)/backends .build/typecheck/tierstore/backends
+	cd .build/typecheck && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p tierstore
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) .build

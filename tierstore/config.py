@@ -1,0 +1,388 @@
+"""Configuration: :class:`TierConfig` and where each value comes from.
+
+Sources, strongest first: explicit arguments, ``TIERSTORE_<FIELD>``
+environment variables, the TOML file named by ``TIERSTORE_CONFIG`` (else
+``./tierstore.toml`` when it exists), then the defaults below. Sizes accept
+``"4GiB"``, ``"512MB"``, ``"1.5 GiB"`` or a number of bytes.
+
+Example:
+    >>> from tierstore import TierConfig
+    >>> cfg = TierConfig(host_budget="512MiB", disk_budget="4GiB")
+    >>> cfg.host_budget
+    536870912
+"""
+
+from __future__ import annotations
+
+import contextvars
+import difflib
+import os
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from tierstore.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = ["ENV_PREFIX", "Origin", "TierConfig", "describe_config", "human_bytes", "load_config"]
+
+#: Prefix of the environment variables that set :class:`TierConfig` fields.
+ENV_PREFIX = "TIERSTORE_"
+#: Environment variable naming the TOML file; not itself a field.
+CONFIG_ENV = "TIERSTORE_CONFIG"
+#: TOML file read when ``TIERSTORE_CONFIG`` is unset, relative to the working directory.
+DEFAULT_TOML = Path("tierstore.toml")
+
+_SIZE_FORM = "a size such as '4GiB', '512MB' or a whole number of bytes"
+
+# load_config(path=...) hands its path to the TOML source through this variable:
+# pydantic-settings builds sources in a classmethod, with no per-call arguments.
+_toml_override: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
+    "tierstore_toml_override", default=None
+)
+
+
+def human_bytes(n: int) -> str:
+    """Format a byte count the way tierstore's messages do.
+
+    Example:
+        >>> human_bytes(3 * 2**20)
+        '3.0 MiB'
+        >>> human_bytes(512)
+        '512 B'
+    """
+    if n < 1024:
+        return f"{n} B"
+    return ByteSize(n).human_readable(separator=" ")
+
+
+class TierConfig(BaseSettings):
+    """Budgets and placement of the tiers, validated once.
+
+    A frozen, hashable value: two equal configs describe the same store.
+    Fields not given as arguments come from the environment, then the TOML
+    file, then the defaults (see the module docstring).
+
+    Example:
+        >>> from tierstore import TierConfig
+        >>> cfg = TierConfig(device_budget=0, host_budget=0, disk_budget="1GiB")
+        >>> cfg.disk_backend
+        'file'
+        >>> cfg.model_copy(update={"compression": "zstd"}).compression
+        'zstd'
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        extra="forbid",
+        frozen=True,
+        validate_default=True,
+        case_sensitive=False,
+    )
+
+    device_budget: ByteSize = Field(
+        default=ByteSize(0),
+        description="Bytes of saved tensors left on the compute device (the newest ones).",
+    )
+    host_budget: ByteSize = Field(
+        default=ByteSize(8 << 30),
+        description="Bytes of saved tensors held in host memory (pinned when CUDA is present).",
+    )
+    disk_budget: ByteSize = Field(
+        default=ByteSize(32 << 30),
+        description="Bytes of saved tensors on local disk; the file backend preallocates this.",
+    )
+    disk_path: Path = Field(
+        default_factory=lambda: Path(tempfile.gettempdir()),
+        description="Directory under which a private spill directory is created.",
+    )
+    disk_backend: Literal["file", "lmdb"] = Field(
+        default="file", description="How bytes rest on disk: one preallocated file, or LMDB."
+    )
+    min_offload_bytes: ByteSize = Field(
+        default=ByteSize(64 << 10),
+        description="Saved tensors smaller than this stay on the device.",
+    )
+    prefetch_bytes: ByteSize = Field(
+        default=ByteSize(256 << 20),
+        description="Bytes backward may have in flight from lower tiers ahead of use.",
+    )
+    compression: Literal["none", "zstd"] = Field(
+        default="none", description="Compression of disk entries (zstd with byte shuffle)."
+    )
+    compression_level: int = Field(
+        default=1, ge=1, le=22, description="zstd level when compression='zstd'."
+    )
+
+    @field_validator("disk_path")
+    @classmethod
+    def _absolute_disk_path(cls, value: Path) -> Path:
+        # Fix the directory now: a later chdir must not move the spill files.
+        path = value.expanduser().absolute()
+        if path.exists() and not path.is_dir():
+            raise ValueError("exists and is not a directory")
+        return path
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TierConfig:
+        if self.device_budget + self.host_budget + self.disk_budget == 0:
+            raise ValueError(
+                "device_budget, host_budget and disk_budget are all 0, so no tier can hold "
+                "a saved tensor; give at least one of them a size"
+            )
+        if self.compression != "none" and self.disk_budget == 0:
+            raise ValueError(
+                f"compression={self.compression!r} applies to the disk tier, but "
+                "disk_budget=0 disables it; set compression='none' or give disk_budget a size"
+            )
+        return self
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ConfigError(_explain(exc, values)) from None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Arguments, then ``TIERSTORE_*`` variables, then the TOML file; no dotenv."""
+        return (init_settings, _EnvSource(settings_cls), _TomlSource(settings_cls))
+
+
+def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> TierConfig:
+    r"""Resolve a :class:`TierConfig` from arguments, environment, TOML and defaults.
+
+    Args:
+        path: TOML file to read instead of ``$TIERSTORE_CONFIG`` or
+            ``./tierstore.toml``. It must exist.
+        **overrides: field values that win over every other source.
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        ConfigError: a value is malformed, a key is unknown, or the file is
+            missing or not valid TOML; the message names the source.
+
+    Example:
+        >>> import os, tempfile
+        >>> from tierstore import load_config
+        >>> toml = os.path.join(tempfile.mkdtemp(), "tierstore.toml")
+        >>> with open(toml, "w") as f:
+        ...     _ = f.write('host_budget = "1GiB"\\ndisk_backend = "lmdb"\\n')
+        >>> cfg = load_config(toml, host_budget="2GiB")
+        >>> cfg.host_budget, cfg.disk_backend
+        (2147483648, 'lmdb')
+    """
+    if path is not None:
+        toml = Path(path)
+        if not toml.is_file():
+            raise ConfigError(
+                f"tierstore: load_config(path={str(path)!r}): no such TOML file; "
+                "pass the path of an existing file"
+            )
+        token = _toml_override.set(toml)
+        try:
+            return TierConfig(**overrides)
+        finally:
+            _toml_override.reset(token)
+    return TierConfig(**overrides)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where one setting's value came from.
+
+    Example:
+        >>> Origin("env", "TIERSTORE_HOST_BUDGET").describe()
+        'environment variable TIERSTORE_HOST_BUDGET'
+    """
+
+    kind: Literal["argument", "env", "toml", "default"]
+    where: str = ""
+
+    def describe(self) -> str:
+        """A phrase for messages: ``argument``, ``environment variable X``, ..."""
+        if self.kind == "env":
+            return f"environment variable {self.where}"
+        if self.kind == "toml":
+            return f"TOML file {self.where}"
+        return self.kind
+
+
+def describe_config(**overrides: Any) -> list[tuple[str, Any, Origin]]:
+    """Resolve the configuration and say where each value came from.
+
+    This is what ``tierstore config`` prints.
+
+    Example:
+        >>> from tierstore.config import describe_config
+        >>> rows = describe_config(host_budget="1GiB")
+        >>> [(name, origin.kind) for name, _, origin in rows if name == "host_budget"]
+        [('host_budget', 'argument')]
+    """
+    cfg = TierConfig(**overrides)
+    origins = _origins(overrides)
+    return [(name, getattr(cfg, name), origins[name]) for name in TierConfig.model_fields]
+
+
+# --------------------------------------------------------------------------
+# Sources
+
+
+def _toml_path() -> Path | None:
+    override = _toml_override.get()
+    if override is not None:
+        return override
+    named = os.environ.get(CONFIG_ENV)
+    if named:
+        path = Path(named)
+        if not path.is_file():
+            raise ConfigError(
+                f"tierstore: {CONFIG_ENV}={named!r} names no file; "
+                f"unset {CONFIG_ENV} or point it at a TOML file"
+            )
+        return path
+    return DEFAULT_TOML if DEFAULT_TOML.is_file() else None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:  # binary, as tomllib requires
+            data: dict[str, Any] = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"tierstore: cannot read TOML file {path}: {exc}") from exc
+    for key in data:
+        if key not in TierConfig.model_fields:
+            raise ConfigError(_unknown(key, f"TOML file {path}: key {key!r}"))
+    return data
+
+
+class _TomlSource(PydanticBaseSettingsSource):
+    """Top-level keys of the TOML file; an unknown key is an error."""
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls)
+        path = _toml_path()
+        self.path = path
+        self.data = _read_toml(path) if path is not None else {}
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self.data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self.data)
+
+
+class _EnvSource(EnvSettingsSource):
+    """``TIERSTORE_<FIELD>`` variables; a misspelt ``TIERSTORE_*`` is an error, not ignored."""
+
+    def __call__(self) -> dict[str, Any]:
+        for name in os.environ:
+            if not name.upper().startswith(ENV_PREFIX) or name.upper() == CONFIG_ENV:
+                continue
+            field = name[len(ENV_PREFIX) :].lower()
+            if field not in TierConfig.model_fields:
+                raise ConfigError(_unknown(field, f"environment variable {name}", env=True))
+        return super().__call__()
+
+
+def _env_values() -> dict[str, str]:
+    return {
+        name[len(ENV_PREFIX) :].lower(): value
+        for name, value in os.environ.items()
+        if name.upper().startswith(ENV_PREFIX) and name.upper() != CONFIG_ENV
+    }
+
+
+def _origins(arguments: Mapping[str, Any]) -> dict[str, Origin]:
+    env = _env_values()
+    toml_path = _toml_path()
+    toml = _read_toml(toml_path) if toml_path is not None else {}
+    out: dict[str, Origin] = {}
+    for name in TierConfig.model_fields:
+        if name in arguments:
+            out[name] = Origin("argument", name)
+        elif name in env:
+            out[name] = Origin("env", ENV_PREFIX + name.upper())
+        elif name in toml:
+            out[name] = Origin("toml", f"{toml_path}, key {name}")
+        else:
+            out[name] = Origin("default")
+    return out
+
+
+# --------------------------------------------------------------------------
+# Messages
+
+
+def _expected(name: str) -> str:
+    field = TierConfig.model_fields[name]
+    annotation = field.annotation
+    if annotation is ByteSize:
+        return _SIZE_FORM
+    args = getattr(annotation, "__args__", ())
+    if args and all(isinstance(a, str) for a in args):
+        return "one of " + ", ".join(repr(a) for a in args)
+    if annotation is Path:
+        return "a path to a writable directory"
+    if annotation is int:
+        bounds = [m for m in field.metadata if hasattr(m, "ge") or hasattr(m, "le")]
+        lo = next((m.ge for m in bounds if hasattr(m, "ge")), None)
+        hi = next((m.le for m in bounds if hasattr(m, "le")), None)
+        if lo is not None and hi is not None:
+            return f"a whole number from {lo} to {hi}"
+        return "a whole number"
+    return str(annotation)
+
+
+def _unknown(key: str, source: str, *, env: bool = False) -> str:
+    known = sorted(TierConfig.model_fields)
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = ""
+    if close:
+        hint = f"; did you mean {ENV_PREFIX + close[0].upper() if env else close[0]}?"
+    return f"tierstore: unknown setting in {source}{hint} Known settings: {', '.join(known)}"
+
+
+def _explain(exc: ValidationError, arguments: Mapping[str, Any]) -> str:
+    origins = _origins(arguments)
+    lines = []
+    for error in exc.errors():
+        loc = error["loc"]
+        name = str(loc[0]) if loc else ""
+        if error["type"] == "extra_forbidden":
+            lines.append(_unknown(name, f"argument {name}={error.get('input')!r}"))
+        elif name in TierConfig.model_fields:
+            origin = origins[name]
+            value = error.get("input")
+            lines.append(
+                f"tierstore: {name}={value!r} from {origin.describe()} is not valid "
+                f"({error['msg'].removeprefix('Value error, ')}); expected {_expected(name)}"
+            )
+        else:  # a model-level check that involves several settings
+            lines.append(f"tierstore: {error['msg'].removeprefix('Value error, ')}")
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""The exceptions tierstore raises.
+
+Every message starts with ``tierstore:``, gives the values involved and names
+the setting to change. A failure on a background thread is re-raised at the
+next call that depends on it, with the original exception as ``__cause__``.
+
+Example:
+    >>> import tierstore
+    >>> try:
+    ...     tierstore.TierConfig(disk_backend="tape")
+    ... except tierstore.ConfigError as e:
+    ...     print(type(e).__name__, isinstance(e, ValueError))
+    ConfigError True
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "CorruptDataError",
+    "StoreClosedError",
+    "TierFullError",
+    "TierstoreError",
+]
+
+
+class TierstoreError(RuntimeError):
+    """Root of every error tierstore raises on purpose.
+
+    Example:
+        >>> import tierstore
+        >>> issubclass(tierstore.TierFullError, tierstore.TierstoreError)
+        True
+    """
+
+
+class ConfigError(TierstoreError, ValueError):
+    """A setting has a bad value, an unknown name, or conflicts with another.
+
+    The message names the setting, where the value came from (argument,
+    environment variable, TOML file and key) and the form expected.
+
+    Example:
+        >>> import tierstore
+        >>> issubclass(tierstore.ConfigError, ValueError)
+        True
+    """
+
+
+class TierFullError(TierstoreError):
+    """No tier has room for a saved tensor; the message says which budget to raise.
+
+    tierstore never drops an entry to make room: the tensor that did not fit
+    raises this error in the operation that saved it.
+
+    Example:
+        >>> import tierstore
+        >>> issubclass(tierstore.TierFullError, RuntimeError)
+        True
+    """
+
+
+class StoreClosedError(TierstoreError):
+    """The store was used after ``close()``.
+
+    Example:
+        >>> import tierstore
+        >>> store = tierstore.TierStore()
+        >>> store.close()
+        >>> try:
+        ...     store.stats()
+        ... except tierstore.StoreClosedError:
+        ...     print("closed")
+        closed
+    """
+
+
+class CorruptDataError(TierstoreError):
+    """Bytes read back from a tier are not the bytes that were written.
+
+    tierstore raises this instead of returning wrong data; the message names
+    the entry, the tier and the file.
+
+    Example:
+        >>> import tierstore
+        >>> issubclass(tierstore.CorruptDataError, tierstore.TierstoreError)
+        True
+    """
