@@ -1,0 +1,145 @@
+"""Encoding: layouts round-trip bitwise, frames describe themselves, corruption is caught."""
+
+from __future__ import annotations
+
+import pytest
+import safetensors.torch
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierstore import CorruptDataError, codec
+
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+]
+
+
+def _round_trip(t: torch.Tensor, compression: codec.Compression) -> torch.Tensor:
+    span, layout = codec.to_span(t)
+    frame = codec.encode(span, compression)
+    meta = codec.parse_header(frame.header)
+    payload = codec.payload_tensor(meta)
+    codec.byte_view(payload)[:] = frame.payload
+    return codec.from_span(codec.decode(meta, payload), layout)
+
+
+def _random(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_dtypes_round_trip_bitwise(dtype: torch.dtype, compression: codec.Compression) -> None:
+    t = _random(dtype, (13, 7))
+    back = _round_trip(t, compression)
+    assert back.dtype == dtype and back.shape == t.shape and back.stride() == t.stride()
+    # Compare bits, not values: NaN payloads and -0.0 must survive too.
+    assert torch.equal(
+        back.view(torch.uint8) if dtype != torch.bool else back,
+        t.view(torch.uint8) if dtype != torch.bool else t,
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=4),
+    data=st.data(),
+    compression=st.sampled_from(["none", "zstd"]),
+)
+def test_any_view_round_trips(
+    shape: list[int], data: st.DataObject, compression: codec.Compression
+) -> None:
+    base = torch.randn(*[s + 3 for s in shape]) if shape else torch.randn(())
+    view = base
+    for d in range(len(shape)):
+        op = data.draw(st.sampled_from(["slice", "step", "expand", "none"]))
+        if op == "slice":
+            view = view.narrow(d, 1, shape[d])
+        elif op == "step" and view.shape[d] > 1:
+            view = view[(slice(None),) * d + (slice(None, None, 2),)]
+        elif op == "expand":
+            view = view.narrow(d, 0, 1).expand(*view.shape[:d], 4, *view.shape[d + 1 :])
+    if view.dim() >= 2 and data.draw(st.booleans()):
+        view = view.transpose(0, -1)
+    back = _round_trip(view, compression)
+    assert torch.equal(back, view) and back.shape == view.shape
+
+
+def test_dense_views_keep_their_strides_and_gapped_views_rest_dense() -> None:
+    t = torch.randn(8, 6)
+    for view in (t.t(), t[2:5], t[3:4], t[:1].expand(5, 6), t.unsqueeze(1).expand(8, 3, 6)):
+        assert _round_trip(view, "none").stride() == view.stride()
+    for gapped, dense_stride in (
+        (t[:, ::2], (3, 1)),
+        (t[:, 1:2], (1, 1)),
+        (t[1:3, 1:4].t(), (1, 3)),
+    ):
+        span, layout = codec.to_span(gapped)
+        assert span.numel() == gapped.numel() and layout.stride == dense_stride
+
+
+def test_expanded_rests_at_unexpanded_size() -> None:
+    t = torch.randn(1, 1024).expand(4096, 1024)
+    span, _ = codec.to_span(t)
+    assert span.numel() == 1024
+    assert codec.encode(span).payload.nbytes == 4096
+
+
+def test_span_of_dense_view_is_zero_copy() -> None:
+    t = torch.randn(10, 10)
+    span, _ = codec.to_span(t[3:7].t())
+    assert span.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+
+
+def test_frames_are_safetensors() -> None:
+    t = torch.arange(6, dtype=torch.float32)
+    frame = codec.encode(t)
+    loaded = safetensors.torch.load(frame.header + bytes(frame.payload))
+    assert torch.equal(loaded["span"], t)
+    zframe = codec.encode(t, "zstd")
+    loaded = safetensors.torch.load(zframe.header + bytes(zframe.payload))
+    assert loaded["span"].dtype == torch.uint8  # compressed bytes, described as U8
+
+
+def test_zstd_shuffle_compresses_smooth_floats() -> None:
+    t = torch.linspace(0, 1, 1 << 16)
+    assert codec.encode(t, "zstd").payload.nbytes < codec.encode(t).payload.nbytes // 2
+
+
+def test_corrupt_headers_and_payloads_raise() -> None:
+    frame = codec.encode(torch.ones(64), "zstd")
+    with pytest.raises(CorruptDataError, match="truncated"):
+        codec.parse_header(frame.header[:5])
+    bad = bytearray(frame.header)
+    bad[0] ^= 0x40
+    with pytest.raises(CorruptDataError, match="bytes of JSON"):
+        codec.parse_header(bad)
+    meta = codec.parse_header(frame.header)
+    payload = bytearray(frame.payload)
+    payload[len(payload) // 2] ^= 0xFF
+    with pytest.raises(CorruptDataError):
+        codec.decode(meta, payload[: len(payload) // 2])
+    raw = codec.parse_header(codec.encode(torch.ones(4)).header)
+    with pytest.raises(CorruptDataError, match="payload of 15 bytes, header says 16"):
+        codec.decode(raw, bytearray(15))
+
+
+def test_byte_view_rejects_what_it_cannot_view() -> None:
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        codec.byte_view(torch.randn(4, 4).t())
+    assert len(codec.byte_view(torch.empty(0))) == 0

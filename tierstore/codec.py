@@ -1,0 +1,420 @@
+"""Encoding: saved tensor ↔ the bytes that rest in a lower tier.
+
+Two steps, kept apart because the host tier needs only the first:
+
+1. **Layout** (:func:`to_span` / :func:`from_span`). A saved tensor becomes a
+   1-D *span* of its elements plus the :class:`Layout` that views it back.
+   See ``NOTE [ Spans ]``.
+2. **Frame** (:func:`encode` / :func:`decode`). A CPU span becomes a
+   safetensors-framed record: an 8-byte little-endian header length, a JSON
+   header, then the payload (raw bytes, or zstd of the byte-shuffled bytes).
+   The record describes itself: ``safetensors.torch.load(record)`` reads it.
+
+Example:
+    >>> import torch
+    >>> from tierstore import codec
+    >>> x = torch.arange(12.0).reshape(3, 4).t()       # transposed view
+    >>> span, layout = codec.to_span(x)
+    >>> frame = codec.encode(span, compression="zstd")
+    >>> record = frame.header + bytes(frame.payload)
+    >>> meta = codec.parse_header(record[: len(frame.header)])
+    >>> back = codec.decode(meta, bytearray(record[len(frame.header) :]))
+    >>> y = codec.from_span(back, layout)
+    >>> torch.equal(x, y), y.stride() == x.stride()
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import struct
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import zstandard
+
+from tierstore.errors import CorruptDataError
+
+__all__ = [
+    "Frame",
+    "FrameMeta",
+    "Layout",
+    "byte_view",
+    "decode",
+    "encode",
+    "from_span",
+    "parse_header",
+    "payload_tensor",
+    "to_span",
+]
+
+Compression = Literal["none", "zstd"]
+
+# NOTE [ Spans ]
+# A saved tensor may be a view: transposed, sliced, expanded (stride 0), or a
+# gapped slice of a larger storage. We rest only the elements it can reach:
+#   * stride-0 dimensions are narrowed to size 1 (an expanded tensor rests at
+#     its unexpanded size) and keep stride 0 in the layout;
+#   * if what remains is non-overlapping and dense (any dimension order), its
+#     elements fill one contiguous range of storage: the span is a zero-copy
+#     1-D view of that range and the layout keeps the original strides, so
+#     backward sees exactly the strides eager autograd would (a transposed
+#     operand can change which kernel, and so which rounding, a matmul uses);
+#   * otherwise (gaps or overlap) the elements are copied densely in the same
+#     dimension order and the layout records the new strides. Values are
+#     equal; only the strides of such rare views differ from eager.
+# Restoring is one as_strided over the span.
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How to view a span as the saved tensor: shape, strides and offset, in elements.
+
+    Example:
+        >>> import torch
+        >>> from tierstore.codec import to_span
+        >>> to_span(torch.zeros(2, 3).t())[1]
+        Layout(shape=(3, 2), stride=(1, 3), offset=0)
+    """
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _dense_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
+    """Dense strides for ``shape`` that keep the dimension order of ``stride``."""
+    order = sorted(range(len(shape)), key=lambda d: (stride[d], -d))
+    dense = [0] * len(shape)
+    expected = 1
+    for d in order:
+        dense[d] = expected
+        expected *= shape[d]
+    return tuple(dense)
+
+
+def _is_dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for size, st in sorted(
+        ((sz, st) for sz, st in zip(shape, stride, strict=True) if sz != 1), key=lambda p: p[1]
+    ):
+        if st != expected:
+            return False
+        expected *= size
+    return True
+
+
+def to_span(t: torch.Tensor) -> tuple[torch.Tensor, Layout]:
+    """Split a strided tensor into a 1-D span of its elements and the layout that views it.
+
+    The span is a view of ``t``'s storage when that is possible (no copy),
+    see ``NOTE [ Spans ]``.
+
+    Example:
+        >>> import torch
+        >>> from tierstore.codec import to_span
+        >>> span, layout = to_span(torch.ones(1, 4).expand(1000, 4))
+        >>> span.numel(), layout.stride
+        (4, (0, 1))
+    """
+    shape = tuple(t.shape)
+    stride = tuple(t.stride())
+    if t.numel() == 0:
+        return t.new_empty((0,)), Layout(shape, stride, 0)
+    # Narrow broadcast (stride 0) dimensions: rest the unexpanded elements only.
+    core = t
+    for d, (size, st) in enumerate(zip(shape, stride, strict=True)):
+        if st == 0 and size > 1:
+            core = core.narrow(d, 0, 1)
+    core_shape = tuple(core.shape)
+    core_stride = tuple(core.stride())
+    if _is_dense(core_shape, core_stride):
+        span = core.as_strided((core.numel(),), (1,), core.storage_offset())
+        rest_stride = core_stride
+    else:
+        dense = _dense_strides(core_shape, core_stride)
+        compact = torch.empty_strided(core_shape, dense, dtype=t.dtype, device=t.device)
+        compact.copy_(core)
+        span = compact.as_strided((compact.numel(),), (1,), 0)
+        rest_stride = dense
+    full_stride = tuple(0 if st == 0 else rs for st, rs in zip(stride, rest_stride, strict=True))
+    return span, Layout(shape, full_stride, 0)
+
+
+def from_span(span: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """View a span as the tensor it was split from.
+
+    Example:
+        >>> import torch
+        >>> from tierstore.codec import from_span, to_span
+        >>> x = torch.randn(3, 5)[:, 1:4]
+        >>> torch.equal(from_span(*to_span(x)), x)
+        True
+    """
+    return span.as_strided(layout.shape, layout.stride, layout.offset)
+
+
+# --------------------------------------------------------------------------
+# Frames
+
+# safetensors dtype codes for the dtypes it knows; anything else rests as U8
+# with the torch dtype in the metadata.
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+}
+_DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        *_ST_DTYPES,
+        torch.complex128,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    )
+}
+# Byte shuffle pays off where exponent bytes repeat: 16- and 32-bit floats.
+_SHUFFLE = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEADER = 1 << 16
+_FORMAT = "tierstore-1"
+
+
+@dataclass(frozen=True)
+class FrameMeta:
+    """What a record's header says about its payload.
+
+    Example:
+        >>> import torch
+        >>> from tierstore import codec
+        >>> frame = codec.encode(torch.zeros(4))
+        >>> codec.parse_header(frame.header)
+        FrameMeta(dtype=torch.float32, numel=4, codec='none', shuffle=0, payload_nbytes=16)
+    """
+
+    dtype: torch.dtype
+    numel: int
+    codec: Compression
+    shuffle: int
+    payload_nbytes: int
+
+    @property
+    def raw_nbytes(self) -> int:
+        """Bytes of the decoded span."""
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Frame:
+    """An encoded span: ``header`` then ``payload``, written back to back.
+
+    ``payload`` may be a view of the span's memory, so ``owner`` keeps that
+    memory alive until the frame is written.
+
+    Example:
+        >>> import torch
+        >>> from tierstore import codec
+        >>> f = codec.encode(torch.arange(3, dtype=torch.int64))
+        >>> len(f.header) % 8, len(f.payload), f.nbytes == len(f.header) + 24
+        (0, 24, True)
+    """
+
+    header: bytes
+    payload: memoryview
+    owner: object
+
+    @property
+    def nbytes(self) -> int:
+        """Length of the whole record."""
+        return len(self.header) + self.payload.nbytes
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory, without a copy.
+
+    The view does not keep ``t`` alive: hold ``t`` while the view is in use.
+
+    Example:
+        >>> import torch
+        >>> from tierstore.codec import byte_view
+        >>> t = torch.zeros(2, dtype=torch.int16)
+        >>> byte_view(t)[0] = 7
+        >>> t.tolist()
+        [7, 0]
+    """
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"byte_view needs a contiguous CPU tensor, got {t.device} {t.stride()}")
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+def _header(meta: FrameMeta, st_dtype: str, st_shape: list[int]) -> bytes:
+    body = json.dumps(
+        {
+            "__metadata__": {
+                "format": _FORMAT,
+                "dtype": str(meta.dtype).removeprefix("torch."),
+                "numel": str(meta.numel),
+                "codec": meta.codec,
+                "shuffle": str(meta.shuffle),
+            },
+            "span": {
+                "dtype": st_dtype,
+                "shape": st_shape,
+                "data_offsets": [0, meta.payload_nbytes],
+            },
+        },
+        separators=(",", ":"),
+    ).encode()
+    # safetensors pads the JSON with spaces so that the payload starts 8-aligned.
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def encode(span: torch.Tensor, compression: Compression = "none", level: int = 1) -> Frame:
+    """Frame a 1-D CPU span as a self-describing record.
+
+    Args:
+        span: contiguous 1-D CPU tensor (see :func:`to_span`).
+        compression: ``"none"`` or ``"zstd"`` (16/32-bit floats are
+            byte-shuffled first).
+        level: zstd level.
+
+    Example:
+        >>> import torch, safetensors.torch
+        >>> from tierstore import codec
+        >>> f = codec.encode(torch.arange(4.0))
+        >>> safetensors.torch.load(f.header + bytes(f.payload))["span"].tolist()
+        [0.0, 1.0, 2.0, 3.0]
+    """
+    span = span.contiguous()
+    dtype = span.dtype
+    if compression == "zstd":
+        shuffle = dtype.itemsize if dtype in _SHUFFLE and span.numel() > 1 else 0
+        raw = span.view(torch.uint8)
+        if shuffle:
+            # Byte k of every element together: exponents repeat, so zstd finds runs.
+            raw = raw.view(-1, shuffle).t().contiguous()
+        data = zstandard.ZstdCompressor(level=level).compress(byte_view(raw))
+        meta = FrameMeta(dtype, span.numel(), "zstd", shuffle, len(data))
+        return Frame(_header(meta, "U8", [len(data)]), memoryview(data), data)
+    payload = byte_view(span)
+    meta = FrameMeta(dtype, span.numel(), "none", 0, payload.nbytes)
+    st = _ST_DTYPES.get(dtype)
+    header = (
+        _header(meta, st, [span.numel()])
+        if st is not None
+        else _header(meta, "U8", [payload.nbytes])
+    )
+    return Frame(header, payload, span)
+
+
+def parse_header(header: bytes | bytearray | memoryview) -> FrameMeta:
+    """Read a record's header, checking every length before trusting it.
+
+    Raises:
+        CorruptDataError: the header is truncated, too long, or not ours.
+
+    Example:
+        >>> import torch
+        >>> from tierstore import codec
+        >>> codec.parse_header(codec.encode(torch.ones(2, dtype=torch.bool)).header).dtype
+        torch.bool
+    """
+    raw = bytes(header)
+    if len(raw) < 8:
+        raise CorruptDataError(f"tierstore: record header of {len(raw)} bytes is truncated")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n > _MAX_HEADER or n + 8 != len(raw):
+        raise CorruptDataError(
+            f"tierstore: record header says {n} bytes of JSON but {len(raw) - 8} are there"
+        )
+    try:
+        doc = json.loads(raw[8:])
+        meta = doc["__metadata__"]
+        if meta["format"] != _FORMAT:
+            raise ValueError(f"format {meta['format']!r}")
+        start, end = doc["span"]["data_offsets"]
+        dtype = _DTYPES[meta["dtype"]]
+        codec = meta["codec"]
+        if codec not in ("none", "zstd"):
+            raise ValueError(f"codec {codec!r}")
+        return FrameMeta(dtype, int(meta["numel"]), codec, int(meta["shuffle"]), end - start)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptDataError(f"tierstore: record header is not a tierstore frame: {exc}") from exc
+
+
+def decode(meta: FrameMeta, payload: torch.Tensor | bytearray | memoryview) -> torch.Tensor:
+    """Turn a record's payload back into its 1-D CPU span.
+
+    ``payload`` may be the tensor returned by :func:`payload_tensor`, in which
+    case an uncompressed record is decoded without a copy.
+
+    Raises:
+        CorruptDataError: the payload does not decode to the size in ``meta``.
+
+    Example:
+        >>> import torch
+        >>> from tierstore import codec
+        >>> f = codec.encode(torch.arange(3))
+        >>> codec.decode(codec.parse_header(f.header), bytearray(f.payload)).tolist()
+        [0, 1, 2]
+    """
+    if isinstance(payload, torch.Tensor):
+        buf = payload.view(torch.uint8)
+    else:
+        buf = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0)
+        buf = buf.view(torch.uint8)
+    if meta.codec == "none":
+        if buf.numel() != meta.raw_nbytes:
+            raise CorruptDataError(
+                f"tierstore: payload of {buf.numel()} bytes, header says {meta.raw_nbytes}"
+            )
+        return buf.view(meta.dtype)
+    out = torch.empty(meta.raw_nbytes, dtype=torch.uint8)
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(byte_view(buf)) as reader:
+            view = byte_view(out)
+            filled = 0
+            while filled < len(view):
+                got = reader.readinto(view[filled:])
+                if got == 0:
+                    break
+                filled += got
+    except zstandard.ZstdError as exc:
+        raise CorruptDataError(f"tierstore: zstd payload does not decode: {exc}") from exc
+    if filled != meta.raw_nbytes:
+        raise CorruptDataError(
+            f"tierstore: zstd payload decodes to {filled} bytes, header says {meta.raw_nbytes}"
+        )
+    if meta.shuffle:
+        out = out.view(meta.shuffle, -1).t().contiguous()
+    return out.view(meta.dtype)
+
+
+def payload_tensor(meta: FrameMeta) -> torch.Tensor:
+    """An empty CPU tensor to read a record's payload into (then :func:`decode` it).
+
+    Uncompressed payloads are allocated with their real dtype so that
+    decoding them is free.
+
+    Example:
+        >>> import torch
+        >>> from tierstore import codec
+        >>> codec.payload_tensor(codec.parse_header(codec.encode(torch.zeros(5)).header)).shape
+        torch.Size([5])
+    """
+    if meta.codec == "none":
+        return torch.empty(meta.numel, dtype=meta.dtype)
+    return torch.empty(meta.payload_nbytes, dtype=torch.uint8)
