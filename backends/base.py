@@ -10,8 +10,8 @@ Example:
     >>> from tierstore.backends.file import FileBackend
     >>> root = Path(tempfile.mkdtemp())
     >>> backend = FileBackend(root, capacity_bytes=1 << 20)
-    >>> backend.write(7, [b"head", b"er-and-payload"])
-    18
+    >>> backend.write(7, [b"head", b"er-and-payload"])  # the footprint: one 4 KiB page
+    4096
     >>> out = bytearray(18)
     >>> backend.read_into(7, [memoryview(out)])
     >>> bytes(out)

@@ -1,0 +1,599 @@
+"""The file backend: extent allocation, round trips, full and corrupt records, lifecycle."""
+
+from __future__ import annotations
+
+import array
+import errno
+import itertools
+import os
+import random
+import re
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import tierstore.backends
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from tierstore.backends import Backend, FileBackend, LmdbBackend, backend_class
+from tierstore.backends import file as file_backend
+from tierstore.backends.file import ALIGN, _ExtentAllocator
+
+from tierstore.config import human_bytes
+from tierstore.errors import (
+    ConfigError,
+    CorruptDataError,
+    StoreClosedError,
+    TierFullError,
+    TierstoreError,
+)
+
+KiB = 1024
+MiB = 1024 * KiB
+FULL_HINT = "; raise disk_budget (TIERSTORE_DISK_BUDGET)"
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> Iterator[FileBackend]:
+    b = FileBackend(tmp_path, 4 * MiB)
+    yield b
+    b.close()
+
+
+def _split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in itertools.pairwise(points)]
+
+
+def _read(backend: Backend, key: int, sizes: list[int]) -> bytes:
+    bufs = [bytearray(n) for n in sizes]
+    backend.read_into(key, [memoryview(b) for b in bufs])
+    return b"".join(bufs)
+
+
+# -- the package surface ---------------------------------------------------------
+
+
+def test_exported_names() -> None:
+    assert tierstore.backends.__all__ == ["Backend", "FileBackend", "LmdbBackend", "backend_class"]
+    assert issubclass(FileBackend, Backend)
+    assert FileBackend.name == "file"
+
+
+def test_backend_class() -> None:
+    assert backend_class("file") is FileBackend
+    assert backend_class("lmdb") is LmdbBackend
+    with pytest.raises(ConfigError) as info:
+        backend_class("tape")
+    assert str(info.value) == (
+        "tierstore: disk_backend='tape' is not a backend; expected one of 'file', 'lmdb'"
+    )
+
+
+# -- the allocator -------------------------------------------------------------------
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Random allocate/free sequences against a model of the live extents."""
+
+    capacity = 64
+
+    @initialize()
+    def setup(self) -> None:
+        self.alloc = _ExtentAllocator(self.capacity)
+        self.live: dict[int, int] = {}  # offset -> length
+
+    @rule(n=st.integers(1, 24))
+    def allocate(self, n: int) -> None:
+        offset = self.alloc.allocate(n)
+        if offset is None:
+            assert self.alloc.largest_free() < n
+            return
+        assert offset >= 0
+        assert offset + n <= self.capacity
+        for o, m in self.live.items():
+            assert offset + n <= o or o + m <= offset, "overlap"
+        self.live[offset] = n
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), newest=st.booleans())
+    def free(self, data: st.DataObject, newest: bool) -> None:
+        offset = max(self.live) if newest else data.draw(st.sampled_from(sorted(self.live)))
+        n = self.live.pop(offset)
+        top, free_before = self.alloc.top, len(self.alloc.free_extents)
+        self.alloc.free(offset, n)
+        if offset + n == top:
+            # The stack case: top comes down, the free list never grows.
+            assert self.alloc.top <= offset
+            assert len(self.alloc.free_extents) <= free_before
+
+    @invariant()
+    def live_and_free_tile_the_stack(self) -> None:
+        free = self.alloc.free_extents
+        for (o1, n1), (o2, _) in itertools.pairwise(free):
+            assert o1 + n1 < o2, "free extents not coalesced"
+        if free:
+            assert free[-1][0] + free[-1][1] < self.alloc.top, "free extent touching top"
+        pos = 0
+        for o, n in sorted([*self.live.items(), *free]):
+            assert o == pos
+            pos += n
+        assert pos == self.alloc.top <= self.capacity
+        assert self.alloc.free_bytes() == self.capacity - sum(self.live.values())
+
+    def teardown(self) -> None:
+        if not hasattr(self, "alloc"):
+            return
+        for offset in list(self.live):
+            self.alloc.free(offset, self.live.pop(offset))
+        assert self.alloc.top == 0
+        assert self.alloc.free_extents == []
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+
+
+def test_allocator_lifo_frees_are_pure_stack_moves() -> None:
+    alloc = _ExtentAllocator(1000 * ALIGN)
+    offsets = [alloc.allocate(ALIGN * (1 + i % 3)) for i in range(300)]
+    assert offsets[:3] == [0, ALIGN, 3 * ALIGN]
+    sizes = [ALIGN * (1 + i % 3) for i in range(300)]
+    for offset, size in zip(reversed(offsets), reversed(sizes), strict=True):
+        assert offset is not None
+        alloc.free(offset, size)
+        assert alloc.top == offset
+        assert alloc.free_extents == []
+    assert alloc.top == 0
+
+
+def test_allocator_folds_free_extents_back_into_the_stack() -> None:
+    alloc = _ExtentAllocator(16)
+    a, b, c = alloc.allocate(4), alloc.allocate(4), alloc.allocate(4)
+    assert (a, b, c) == (0, 4, 8)
+    alloc.free(4, 4)
+    assert alloc.free_extents == [(4, 4)]
+    alloc.free(8, 4)  # ends at top: top drops to 8, then past the free extent to 4
+    assert (alloc.top, alloc.free_extents) == (4, [])
+    alloc.free(0, 4)
+    assert (alloc.top, alloc.free_extents) == (0, [])
+
+
+def test_allocator_first_fit_below_top_when_the_stack_is_full() -> None:
+    alloc = _ExtentAllocator(16)
+    for _ in range(4):
+        alloc.allocate(4)
+    alloc.free(0, 4)
+    alloc.free(8, 4)
+    assert alloc.allocate(8) is None  # 8 bytes free, but in two pieces
+    assert alloc.largest_free() == 4
+    assert alloc.allocate(2) == 0
+    assert alloc.free_extents == [(2, 2), (8, 4)]
+    assert alloc.allocate(4) == 8
+    assert alloc.free_extents == [(2, 2)]
+
+
+def test_allocator_rejects_double_and_foreign_frees() -> None:
+    alloc = _ExtentAllocator(16)
+    for _ in range(3):
+        alloc.allocate(4)
+    alloc.free(0, 4)
+    with pytest.raises(ValueError, match="overlaps a free extent"):
+        alloc.free(0, 4)
+    with pytest.raises(ValueError, match="overlaps a free extent"):
+        alloc.free(2, 10)  # ends at top, but starts inside the free extent
+    with pytest.raises(ValueError, match="not below top"):
+        alloc.free(12, 4)
+    assert (alloc.top, alloc.free_extents) == (12, [(0, 4)])
+
+
+# -- round trips -----------------------------------------------------------------
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    data=st.binary(max_size=3 * ALIGN),
+    write_cuts=st.lists(st.integers(0, 3 * ALIGN), max_size=6),
+    read_cuts=st.lists(st.integers(0, 3 * ALIGN), max_size=6),
+)
+def test_round_trip_any_chunking(
+    backend: FileBackend, data: bytes, write_cuts: list[int], read_cuts: list[int]
+) -> None:
+    try:
+        footprint = backend.write(1, _split(data, write_cuts))
+        assert footprint == -(-len(data) // ALIGN) * ALIGN == backend.used_bytes
+        assert _read(backend, 1, [len(c) for c in _split(data, read_cuts)]) == data
+    finally:
+        backend.delete(1)
+    assert backend.used_bytes == 0
+    assert backend._alloc.top == 0
+
+
+def test_round_trip_of_typed_and_shaped_buffers(backend: FileBackend) -> None:
+    floats = array.array("f", [1.5, -2.0, 3.25])
+    grid = memoryview(bytearray(range(12))).cast("B", shape=[3, 4])
+    assert backend.write(7, [b"head", memoryview(floats), grid, bytearray(b"!")]) == ALIGN
+    head, out, rest = bytearray(4), array.array("f", [0.0] * 3), bytearray(13)
+    backend.read_into(7, [memoryview(head), memoryview(out), memoryview(rest)])
+    assert (bytes(head), out, bytes(rest)) == (b"head", floats, bytes(range(12)) + b"!")
+
+
+def test_zero_length_records(backend: FileBackend) -> None:
+    assert backend.write(1, []) == 0
+    assert backend.write(2, [b"", bytearray()]) == 0
+    assert (len(backend), backend.used_bytes) == (2, 0)
+    backend.read_into(1, [])
+    backend.read_into(2, [memoryview(bytearray())])
+    with pytest.raises(CorruptDataError):
+        backend.read_into(1, [memoryview(bytearray(1))])
+    backend.delete(1)
+    backend.delete(2)
+    assert len(backend) == 0
+
+
+def test_many_records_in_any_order(backend: FileBackend) -> None:
+    rng = random.Random(0)
+    records = {
+        k: rng.randbytes(rng.choice([0, 1, 100, ALIGN, ALIGN + 1, 20_000])) for k in range(300)
+    }
+    for k, data in records.items():
+        backend.write(k, [data])
+    assert len(backend) == 300
+    assert backend.used_bytes == sum(backend.footprint(len(d)) for d in records.values())
+    keys = list(records)
+    rng.shuffle(keys)
+    for k in keys:
+        assert _read(backend, k, [len(records[k])]) == records[k]
+    for i, k in enumerate(keys):
+        backend.delete(k)
+        if i % 7 == 0:  # reuse freed space in between
+            backend.write(1000 + i, [records[k]])
+            assert _read(backend, 1000 + i, [len(records[k])]) == records[k]
+            backend.delete(1000 + i)
+    assert (len(backend), backend.used_bytes) == (0, 0)
+    assert (backend._alloc.top, backend._alloc.free_extents) == (0, [])
+
+
+def test_lifo_deletes_keep_the_free_list_empty(backend: FileBackend) -> None:
+    for k in range(50):
+        backend.write(k, [bytes(1 + k * 300)])
+    for k in reversed(range(50)):
+        backend.delete(k)
+        assert backend._alloc.free_extents == []
+        assert backend._alloc.top == backend.used_bytes
+    assert backend._alloc.top == 0
+
+
+def test_more_chunks_than_iov_max(backend: FileBackend) -> None:
+    chunks = [bytes([i % 251]) * 3 for i in range(3000)]
+    backend.write(1, chunks)
+    assert _read(backend, 1, [2] * 4500) == b"".join(chunks)
+
+
+def test_short_writes_and_reads_are_resumed(
+    backend: FileBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_pwritev, real_preadv = os.pwritev, os.preadv
+
+    def clip(buffers: list[Any], limit: int) -> list[memoryview]:
+        out = []
+        for b in buffers:
+            view = memoryview(b)[:limit]
+            out.append(view)
+            limit -= view.nbytes
+            if limit == 0:
+                break
+        return out
+
+    def short_pwritev(fd: int, buffers: list[Any], offset: int) -> int:
+        return real_pwritev(fd, clip(buffers, 1000), offset)
+
+    def short_preadv(fd: int, buffers: list[Any], offset: int) -> int:
+        return real_preadv(fd, clip(buffers, 777), offset)
+
+    monkeypatch.setattr(os, "pwritev", short_pwritev)
+    monkeypatch.setattr(os, "preadv", short_preadv)
+    data = random.Random(1).randbytes(50_000)
+    backend.write(1, _split(data, [3, 5000, 5001, 22_222]))
+    assert _read(backend, 1, [1, 9999, 40_000]) == data
+
+
+def test_concurrent_writers_and_readers(backend: FileBackend) -> None:
+    errors: list[BaseException] = []
+
+    def worker(tid: int) -> None:
+        rng = random.Random(tid)
+        try:
+            for i in range(100):
+                key = tid * 1000 + i
+                data = rng.randbytes(rng.randrange(0, 3 * ALIGN))
+                backend.write(key, [data[:10], data[10:]])
+                assert _read(backend, key, [len(data)]) == data
+                backend.delete(key)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert (len(backend), backend.used_bytes, backend._alloc.top) == (0, 0, 0)
+
+
+def test_duplicate_key_is_refused_and_the_record_kept(backend: FileBackend) -> None:
+    backend.write(1, [b"first"])
+    with pytest.raises(ValueError, match=re.escape("tierstore: key 1 is already stored")):
+        backend.write(1, [b"second"])
+    assert _read(backend, 1, [5]) == b"first"
+    assert backend.used_bytes == ALIGN
+
+
+# -- sizes, full disk ----------------------------------------------------------------
+
+
+def test_file_is_preallocated_to_the_aligned_budget(tmp_path: Path) -> None:
+    b = FileBackend(tmp_path, 10_000)
+    assert b.capacity_bytes == 2 * ALIGN
+    st_ = (b.directory / "entries.bin").stat()
+    assert st_.st_size == 2 * ALIGN
+    assert st_.st_blocks * 512 >= 2 * ALIGN  # really reserved, not sparse
+    assert (b.footprint(0), b.footprint(1), b.footprint(ALIGN), b.footprint(ALIGN + 1)) == (
+        0,
+        ALIGN,
+        ALIGN,
+        2 * ALIGN,
+    )
+    b.close()
+
+
+def test_full_message_and_recovery(tmp_path: Path) -> None:
+    b = FileBackend(tmp_path, 16 * KiB)
+    for k in range(4):
+        b.write(k, [bytes([k]) * 100])
+    with pytest.raises(TierFullError) as info:
+        b.write(9, [b"x"])
+    assert str(info.value) == (
+        "tierstore: disk tier is full: 16.0 KiB in use of disk_budget=16.0 KiB; "
+        "a record of 4.0 KiB does not fit (0 B free)" + FULL_HINT
+    )
+    assert (len(b), b.used_bytes) == (4, 16 * KiB)
+    with pytest.raises(KeyError):
+        b.read_into(9, [memoryview(bytearray(1))])
+
+    b.delete(0)
+    b.delete(2)  # 8 KiB free, in two extents of 4 KiB
+    with pytest.raises(TierFullError) as info:
+        b.write(9, [bytes(5000)])
+    assert str(info.value) == (
+        "tierstore: disk tier is full: 8.0 KiB in use of disk_budget=16.0 KiB; "
+        "a record of 8.0 KiB does not fit (fragmented free space: 8.0 KiB free, "
+        "largest extent 4.0 KiB)" + FULL_HINT
+    )
+    assert b.write(9, [b"fits"]) == 4 * KiB
+    assert _read(b, 9, [4]) == b"fits"
+    assert _read(b, 1, [100]) == b"\x01" * 100
+    assert _read(b, 3, [100]) == b"\x03" * 100
+    b.close()
+
+
+def test_record_larger_than_the_budget(tmp_path: Path) -> None:
+    b = FileBackend(tmp_path, 10_000)
+    with pytest.raises(TierFullError) as info:
+        b.write(1, [bytes(20_000)])
+    assert str(info.value) == (
+        "tierstore: disk tier is full: 0 B in use of disk_budget=9.8 KiB; "
+        "a record of 20.0 KiB does not fit (8.0 KiB free)" + FULL_HINT
+    )
+    assert b.used_bytes == 0
+    b.close()
+
+
+def test_preallocation_without_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_space(fd: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(file_backend, "_fallocate", no_space)
+    with pytest.raises(TierFullError) as info:
+        FileBackend(tmp_path, 64 * MiB)
+    assert str(info.value) == (
+        f"tierstore: cannot preallocate disk_budget=64.0 MiB in {tmp_path}: "
+        "No space left on device; lower disk_budget (TIERSTORE_DISK_BUDGET) "
+        "or set disk_path to a larger disk"
+    )
+    assert isinstance(info.value.__cause__, OSError)
+    assert os.listdir(tmp_path) == []  # the spill directory went with it
+
+
+def test_budget_larger_than_the_free_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    called: list[int] = []
+    monkeypatch.setattr(os, "fstatvfs", lambda fd: SimpleNamespace(f_bavail=256, f_frsize=4 * KiB))
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, offset, length: called.append(length))
+    with pytest.raises(TierFullError) as info:
+        FileBackend(tmp_path, 64 * MiB)
+    assert str(info.value) == (
+        f"tierstore: cannot preallocate disk_budget=64.0 MiB in {tmp_path}: "
+        "only 1.0 MiB free there; lower disk_budget (TIERSTORE_DISK_BUDGET) "
+        "or set disk_path to a larger disk"
+    )
+    assert called == []  # refused before a single block was claimed
+    assert os.listdir(tmp_path) == []
+
+
+def test_preallocation_refused_before_filling_the_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(file_backend, "_fallocate", lambda fd, n: calls.append(n))
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    budget = free + 1024 * MiB
+    with pytest.raises(TierFullError) as info:
+        FileBackend(tmp_path, budget)
+    message = str(info.value)
+    assert message.startswith(
+        f"tierstore: cannot preallocate disk_budget={human_bytes(budget)} in {tmp_path}: only "
+    )
+    assert message.endswith(
+        " free there; lower disk_budget (TIERSTORE_DISK_BUDGET) or set disk_path to a larger disk"
+    )
+    assert calls == []  # nothing was reserved
+    assert os.listdir(tmp_path) == []
+
+
+def test_fallocate_reserves_real_blocks(tmp_path: Path) -> None:
+    b = FileBackend(tmp_path, 4 * MiB)
+    st = (b.directory / "entries.bin").stat()
+    assert st.st_size == 4 * MiB and st.st_blocks * 512 >= 4 * MiB
+    b.close()
+
+
+def test_preallocation_falls_back_to_ftruncate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unsupported(fd: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(file_backend, "_fallocate", unsupported)
+    b = FileBackend(tmp_path, 64 * KiB)
+    assert (b.directory / "entries.bin").stat().st_size == 64 * KiB
+    b.write(1, [b"sparse is fine"])
+    assert _read(b, 1, [14]) == b"sparse is fine"
+    b.close()
+
+
+def test_negative_budget(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        FileBackend(tmp_path, -1)
+    assert str(info.value) == (
+        "tierstore: disk_budget=-1 is negative; "
+        "set disk_budget (TIERSTORE_DISK_BUDGET) to a size such as '64GiB'"
+    )
+    assert os.listdir(tmp_path) == []
+
+
+def test_zero_budget_holds_only_empty_records(tmp_path: Path) -> None:
+    b = FileBackend(tmp_path, 0)
+    assert b.write(1, [b""]) == 0
+    with pytest.raises(TierFullError):
+        b.write(2, [b"x"])
+    b.close()
+
+
+def test_failed_write_frees_its_extent(
+    backend: FileBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend.write(1, [b"kept"])
+    cause = OSError(errno.EIO, os.strerror(errno.EIO))
+
+    def broken(fd: int, buffers: list[Any], offset: int) -> int:
+        raise cause
+
+    monkeypatch.setattr(os, "pwritev", broken)
+    with pytest.raises(TierstoreError) as info:
+        backend.write(2, [bytes(5000)])
+    assert str(info.value) == (
+        f"tierstore: writing entry 2 (4.9 KiB) to {backend.directory / 'entries.bin'} failed: "
+        "[Errno 5] Input/output error; check the disk under disk_path (TIERSTORE_DISK_PATH)"
+    )
+    assert info.value.__cause__ is cause
+    assert (len(backend), backend.used_bytes, backend._alloc.top) == (1, ALIGN, ALIGN)
+    monkeypatch.undo()
+    backend.write(2, [b"later"])
+    assert _read(backend, 2, [5]) == b"later"
+
+
+# -- corrupt records -----------------------------------------------------------------
+
+
+def test_length_mismatch_is_corrupt(backend: FileBackend) -> None:
+    backend.write(5, [b"eighteen bytes!!!!"])
+    for sizes in ([17], [10, 10], []):
+        with pytest.raises(CorruptDataError) as info:
+            _read(backend, 5, sizes)
+        assert str(info.value) == (
+            f"tierstore: entry 5 in the disk tier ({backend.directory / 'entries.bin'}) "
+            f"holds 18 bytes, not the {sum(sizes)} bytes asked for"
+        )
+    assert _read(backend, 5, [18]) == b"eighteen bytes!!!!"
+
+
+def test_truncated_file_is_corrupt(backend: FileBackend) -> None:
+    backend.write(1, [bytes(ALIGN)])
+    backend.write(2, [bytes(3 * ALIGN)])
+    path = backend.directory / "entries.bin"
+    os.truncate(path, 2 * ALIGN)
+    assert _read(backend, 1, [ALIGN]) == bytes(ALIGN)
+    with pytest.raises(CorruptDataError) as info:
+        _read(backend, 2, [3 * ALIGN])
+    assert str(info.value) == (
+        f"tierstore: entry 2 in the disk tier ({path}) ends early: the file ends after "
+        f"{ALIGN} of its {3 * ALIGN} bytes at offset {ALIGN}; "
+        "the file was truncated outside tierstore"
+    )
+
+
+# -- lifecycle -----------------------------------------------------------------------
+
+
+def test_closed_backend_refuses_every_call(tmp_path: Path) -> None:
+    b = FileBackend(tmp_path, 1 * MiB)
+    b.write(1, [b"x"])
+    directory = b.directory
+    b.close()
+    assert not directory.exists()
+    message = f"tierstore: the file backend at {directory} is closed"
+    calls: list[Callable[[], object]] = [
+        lambda: b.write(2, [b"y"]),
+        lambda: b.read_into(1, [memoryview(bytearray(1))]),
+        lambda: b.delete(1),
+        lambda: len(b),
+        lambda: b.used_bytes,
+    ]
+    for call in calls:
+        with pytest.raises(StoreClosedError) as info:
+            call()
+        assert str(info.value) == message
+    b.close()  # idempotent
+    assert "closed" in repr(b)
+
+
+def test_close_waits_for_io_in_flight(
+    backend: FileBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_pwritev = os.pwritev
+    started, release = threading.Event(), threading.Event()
+
+    def slow(fd: int, buffers: list[Any], offset: int) -> int:
+        started.set()
+        release.wait(10)
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", slow)
+    writer = threading.Thread(target=backend.write, args=(1, [b"in flight"]))
+    writer.start()
+    assert started.wait(10)
+    closer = threading.Thread(target=backend.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # still waiting for the write
+    assert backend.directory.exists()
+    with pytest.raises(StoreClosedError):
+        backend.write(2, [b"too late"])
+    release.set()
+    writer.join(10)
+    closer.join(10)
+    assert not closer.is_alive()
+    assert not backend.directory.exists()

@@ -1,0 +1,307 @@
+"""The private spill directory: permissions, removal, stale sweeps, bad roots."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tierstore.backends import FileBackend, LmdbBackend
+from tierstore.backends._spill import SpillDir
+from tierstore.backends.base import Backend
+
+from tierstore.errors import ConfigError
+
+HINT = "; set disk_path (TIERSTORE_DISK_PATH) to a writable local directory"
+BACKENDS = [FileBackend, LmdbBackend]
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+@pytest.fixture
+def no_umask() -> Iterator[None]:
+    """Umask 0, so only the modes tierstore asks for explicitly protect the files."""
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _spawn(code: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _first_line(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if not line:
+        assert proc.stderr is not None
+        pytest.fail(f"subprocess printed nothing; stderr:\n{proc.stderr.read()}")
+    return line
+
+
+# -- permissions and removal ---------------------------------------------------
+
+
+def test_spill_dir_is_private_locked_and_removed_on_close(tmp_path: Path, no_umask: None) -> None:
+    root = tmp_path / "a" / "b"
+    spill = SpillDir(root)
+    # Every directory tierstore creates is 0700, missing parents included.
+    assert (_mode(tmp_path / "a"), _mode(root), _mode(spill.path)) == (0o700, 0o700, 0o700)
+    assert spill.path.parent == root
+    assert spill.path.name.startswith(f"tierstore-{os.getpid()}-")
+    assert sorted(os.listdir(spill.path)) == [".lock"]
+    lock = spill.path / ".lock"
+    assert _mode(lock) == 0o600
+    assert lock.read_text() == f"{os.getpid()}\n"
+    # The lock is held: another open file description cannot take it.
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+
+    fd = spill.open_file("data", os.O_RDWR | os.O_CREAT | os.O_EXCL)
+    os.close(fd)
+    assert _mode(spill.file("data")) == 0o600
+    assert repr(spill) == f"SpillDir('{spill.path}', open)"
+    spill.close()
+    assert spill.closed
+    assert not spill.path.exists()
+    assert os.listdir(root) == []
+    spill.close()  # idempotent
+
+
+def test_open_file_does_not_follow_symlinks(tmp_path: Path) -> None:
+    spill = SpillDir(tmp_path)
+    target = tmp_path / "outside"
+    target.write_bytes(b"")
+    os.symlink(target, spill.file("link"))
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        spill.open_file("link", os.O_RDWR)
+    spill.close()
+    assert target.exists()
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "../x", "a/b"])
+def test_file_takes_plain_names_only(tmp_path: Path, name: str) -> None:
+    spill = SpillDir(tmp_path)
+    with pytest.raises(
+        ValueError, match=re.escape(f"tierstore: {name!r} is not a plain file name")
+    ):
+        spill.file(name)
+    spill.close()
+
+
+@pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.name)
+def test_backend_files_are_private(tmp_path: Path, no_umask: None, cls: type[Backend]) -> None:
+    backend = cls(tmp_path, 1 << 20)
+    backend.write(0, [b"x" * 10_000])
+    modes = {str(p.relative_to(backend.directory)): _mode(p) for p in backend.directory.rglob("*")}
+    assert _mode(backend.directory) == 0o700
+    expected_files = {
+        "file": {".lock": 0o600, "entries.bin": 0o600},
+        "lmdb": {
+            ".lock": 0o600,
+            "entries.lmdb": 0o700,
+            "entries.lmdb/data.mdb": 0o600,
+            "entries.lmdb/lock.mdb": 0o600,
+        },
+    }[cls.name]
+    assert modes == expected_files
+    backend.close()
+    assert not backend.directory.exists()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("name", ["file", "lmdb"])
+def test_spill_dir_removed_at_interpreter_exit(tmp_path: Path, name: str) -> None:
+    proc = _spawn(
+        """
+        import sys
+        from pathlib import Path
+        from tierstore.backends import backend_class
+
+        backend = backend_class(sys.argv[1])(Path(sys.argv[2]), 1 << 20)
+        backend.write(1, [b"x" * 100])
+        print(backend.directory, flush=True)
+        # exits without close()
+        """,
+        name,
+        str(tmp_path),
+    )
+    directory = Path(_first_line(proc))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert directory.parent == tmp_path
+    assert not directory.exists()
+    assert os.listdir(tmp_path) == []
+
+
+def test_forked_child_does_not_remove_the_parents_directory(tmp_path: Path) -> None:
+    spill = SpillDir(tmp_path)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            spill.close()  # what atexit would do in a child that exits normally
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert spill.path.is_dir()
+    assert (spill.path / ".lock").exists()
+    spill.close()
+    assert not spill.path.exists()
+
+
+# -- stale directories ---------------------------------------------------------
+
+_HOLD_SPILL = """
+    import sys
+    from pathlib import Path
+    from tierstore.backends._spill import SpillDir
+
+    spill = SpillDir(Path(sys.argv[1]))
+    print(spill.path, flush=True)
+    sys.stdin.readline()
+    """
+
+
+def test_stale_dir_of_killed_process_is_removed_and_live_one_kept(tmp_path: Path) -> None:
+    dead = _spawn(_HOLD_SPILL, str(tmp_path))
+    live = _spawn(_HOLD_SPILL, str(tmp_path))
+    try:
+        dead_dir = Path(_first_line(dead))
+        live_dir = Path(_first_line(live))
+        (dead_dir / "entries.bin").write_bytes(b"left behind")
+        dead.send_signal(signal.SIGKILL)
+        dead.communicate(timeout=60)
+        assert dead.returncode == -signal.SIGKILL
+        assert dead_dir.is_dir()  # SIGKILL runs no cleanup
+
+        spill = SpillDir(tmp_path)
+        assert spill.removed_stale == 1
+        assert not dead_dir.exists()
+        assert live_dir.is_dir()
+        assert sorted(os.listdir(tmp_path)) == sorted([live_dir.name, spill.path.name])
+
+        # A second sweep finds nothing: our own and the live directory are locked.
+        other = SpillDir(tmp_path)
+        assert other.removed_stale == 0
+        assert spill.path.is_dir()
+        other.close()
+        spill.close()
+    finally:
+        _, err = live.communicate("\n", timeout=60)
+    assert live.returncode == 0, err
+    assert not live_dir.exists()  # the live process cleaned up at exit
+    assert os.listdir(tmp_path) == []
+
+
+def _fake_dir(root: Path, name: str, *, lock: bool = True) -> Path:
+    d = root / name
+    d.mkdir(mode=0o700)
+    if lock:
+        (d / ".lock").write_text("999999\n")  # unlocked: its owner is gone
+    (d / "entries.bin").write_bytes(b"data")
+    return d
+
+
+def test_sweep_removes_only_unlocked_dirs_of_ours(tmp_path: Path) -> None:
+    stale = _fake_dir(tmp_path, "tierstore-1-abc")
+    no_lock = _fake_dir(tmp_path, "tierstore-2-def", lock=False)
+    other_prefix = _fake_dir(tmp_path, "other-3-ghi")
+    target = _fake_dir(tmp_path, "elsewhere")
+    link = tmp_path / "tierstore-4-link"
+    link.symlink_to(target)
+    plain_file = tmp_path / "tierstore-5-file"
+    plain_file.write_bytes(b"")
+
+    spill = SpillDir(tmp_path)
+    assert spill.removed_stale == 1
+    assert not stale.exists()
+    for kept in (no_lock, other_prefix, target, link, plain_file):
+        assert os.path.lexists(kept), kept
+    assert (target / "entries.bin").exists()
+    spill.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a directory to another user")
+def test_sweep_never_touches_other_users_dirs(tmp_path: Path) -> None:
+    theirs = _fake_dir(tmp_path, "tierstore-1-theirs")
+    for p in (theirs, theirs / ".lock", theirs / "entries.bin"):
+        os.chown(p, 65534, 65534)
+    spill = SpillDir(tmp_path)
+    assert spill.removed_stale == 0
+    assert (theirs / "entries.bin").exists()
+    spill.close()
+
+
+def test_sweep_is_limited_to_the_prefix(tmp_path: Path) -> None:
+    rank0 = _fake_dir(tmp_path, "tierstore-rank0-1-abc")
+    rank1 = _fake_dir(tmp_path, "tierstore-rank1-1-abc")
+    spill = SpillDir(tmp_path, prefix="tierstore-rank1-")
+    assert spill.path.name.startswith(f"tierstore-rank1-{os.getpid()}-")
+    assert spill.removed_stale == 1
+    assert rank0.exists()
+    assert not rank1.exists()
+    spill.close()
+
+
+# -- unusable roots --------------------------------------------------------------
+
+
+def test_root_that_is_a_regular_file(tmp_path: Path) -> None:
+    root = tmp_path / "file"
+    root.write_bytes(b"")
+    with pytest.raises(ConfigError) as info:
+        SpillDir(root)
+    assert str(info.value) == (
+        f"tierstore: cannot create a spill directory under disk_path='{root}': "
+        f"[Errno 20] Not a directory: '{root}'{HINT}"
+    )
+    assert isinstance(info.value.__cause__, NotADirectoryError)
+
+
+def test_root_under_a_regular_file(tmp_path: Path) -> None:
+    parent = tmp_path / "file"
+    parent.write_bytes(b"")
+    root = parent / "spill"
+    with pytest.raises(ConfigError) as info:
+        FileBackend(root, 1 << 20)
+    assert str(info.value) == (
+        f"tierstore: cannot create a spill directory under disk_path='{root}': "
+        f"[Errno 20] Not a directory: '{root}'{HINT}"
+    )
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_root_in_proc() -> None:
+    with pytest.raises(ConfigError) as info:
+        SpillDir(Path("/proc"))
+    assert re.fullmatch(
+        r"tierstore: cannot create a spill directory under disk_path='/proc': "
+        r"\[Errno \d+\] [^;]+: '/proc/tierstore-\d+-\w+'" + re.escape(HINT),
+        str(info.value),
+    ), str(info.value)
+    assert isinstance(info.value.__cause__, OSError)
