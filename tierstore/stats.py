@@ -1,0 +1,88 @@
+"""What a store reports: bytes per tier now and at peak, and what moved.
+
+Example:
+    >>> import tierstore
+    >>> with tierstore.TierStore(tierstore.TierConfig(disk_budget=0)) as store:
+    ...     s = store.stats()
+    >>> s.tiers["host"].bytes, s.packed
+    (0, 0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from tierstore.config import human_bytes
+
+__all__ = ["TIERS", "Stats", "Tier", "TierStats"]
+
+Tier = Literal["device", "host", "disk"]
+#: The tiers, fastest first.
+TIERS: tuple[Tier, ...] = ("device", "host", "disk")
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier's counters.
+
+    ``bytes`` and ``peak_bytes`` count what the tier holds: span bytes on the
+    device and host, footprint bytes (after compression and alignment) on
+    disk. ``bytes_written`` and ``bytes_read`` count what moved into and out
+    of the tier since the store opened.
+
+    Example:
+        >>> TierStats(bytes=0, peak_bytes=4096, entries=0, bytes_written=4096, bytes_read=4096)
+        TierStats(bytes=0, peak_bytes=4096, entries=0, bytes_written=4096, bytes_read=4096)
+    """
+
+    bytes: int
+    peak_bytes: int
+    entries: int
+    bytes_written: int
+    bytes_read: int
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot of a store's counters (see :meth:`tierstore.TierStore.stats`).
+
+    Attributes:
+        tiers: per tier ``"device"``, ``"host"``, ``"disk"``.
+        packed: saved tensors handed to the store (offloaded or not).
+        deduplicated: saves that reused an entry already held.
+        kept: saves left on the device as they were (parameters, small
+            tensors, ``tierstore.keep()``, ...).
+        kept_bytes: bytes of those kept saves.
+
+    Example:
+        >>> import torch, tierstore
+        >>> store = tierstore.TierStore(tierstore.TierConfig(
+        ...     device_budget=0, host_budget="1GiB", disk_budget=0, min_offload_bytes=0))
+        >>> x = torch.randn(256, 256, requires_grad=True)
+        >>> with store.offload():
+        ...     y = x.exp()
+        >>> store.stats().tiers["host"].bytes
+        262144
+        >>> y.sum().backward(); store.close()
+    """
+
+    tiers: Mapping[Tier, TierStats]
+    packed: int
+    deduplicated: int
+    kept: int
+    kept_bytes: int
+
+    def __str__(self) -> str:
+        rows = [
+            f"{name:>6}: {human_bytes(t.bytes):>10} now, {human_bytes(t.peak_bytes):>10} peak, "
+            f"{t.entries} entries, {human_bytes(t.bytes_written)} written, "
+            f"{human_bytes(t.bytes_read)} read"
+            for name, t in self.tiers.items()
+        ]
+        rows.append(
+            f"packed {self.packed}, deduplicated {self.deduplicated}, "
+            f"kept {self.kept} ({human_bytes(self.kept_bytes)})"
+        )
+        return "\n".join(rows)
