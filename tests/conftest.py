@@ -1,0 +1,124 @@
+"""Shared fixtures: isolated configuration, stores on every disk backend, eager comparison."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tierstore
+from tierstore import hooks
+
+#: The one marker for tests that need a GPU (DESIGN.md, house style).
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DISK_VARIANTS = [
+    pytest.param(("file", "none"), id="file"),
+    pytest.param(("file", "zstd"), id="file-zstd"),
+    pytest.param(("lmdb", "none"), id="lmdb"),
+    pytest.param(("lmdb", "zstd"), id="lmdb-zstd"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """No TIERSTORE_* variable or ./tierstore.toml leaks in; default stores are closed after.
+
+    tempfile's directory (the default disk_path, and what examples pass to
+    mkdtemp) is the test's own, so nothing is left in the system's /tmp.
+    """
+    for name in list(os.environ):
+        if name.upper().startswith("TIERSTORE_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    yield
+    hooks._close_all()
+
+
+@pytest.fixture
+def spill_root(tmp_path: Path) -> Path:
+    root = tmp_path / "spill"
+    root.mkdir()
+    return root
+
+
+@pytest.fixture(params=DISK_VARIANTS)
+def disk_config(request: pytest.FixtureRequest, spill_root: Path) -> tierstore.TierConfig:
+    """Every offloadable saved tensor goes to disk, on each backend, compressed and not."""
+    backend, compression = request.param
+    return tierstore.TierConfig(
+        device_budget=0,
+        host_budget=0,
+        disk_budget="256MiB",
+        disk_path=spill_root,
+        disk_backend=backend,
+        compression=compression,
+        min_offload_bytes=0,
+    )
+
+
+@pytest.fixture
+def disk_store(disk_config: tierstore.TierConfig) -> Iterator[tierstore.TierStore]:
+    store = tierstore.TierStore(disk_config)
+    yield store
+    store.close()
+
+
+def _grads(model: torch.nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    return [p.grad for p in model.parameters()] + [x.grad for x in inputs if x.requires_grad]
+
+
+@pytest.fixture
+def compare_with_eager() -> Callable[..., Any]:
+    """Run ``build(seed) -> (model, inputs, loss_fn)`` eagerly and under ``store.offload()``.
+
+    Returns the store's stats taken right after the forward. Asserts every
+    parameter and input gradient is bitwise equal (``torch.equal``).
+    """
+
+    def run(build: Callable[[], Any], store: tierstore.TierStore) -> tierstore.Stats:
+        torch.manual_seed(0)
+        model, inputs, loss_fn = build()
+        torch.manual_seed(1)
+        loss_fn(model, *inputs).backward()
+        expected = _grads(model, inputs)
+
+        torch.manual_seed(0)
+        model, inputs, loss_fn = build()
+        torch.manual_seed(1)
+        with store.offload():
+            loss = loss_fn(model, *inputs)
+        stats = store.stats()
+        loss.backward()
+        del loss
+        got = _grads(model, inputs)
+        assert len(got) == len(expected)
+        for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+            assert (a is None) == (b is None), i
+            if a is not None and b is not None:
+                assert a.dtype == b.dtype and torch.equal(a, b), f"gradient {i} differs"
+        return stats
+
+    return run
+
+
+def assert_empty(store: tierstore.TierStore) -> None:
+    """Every tier back to zero bytes, and no record left in the disk backend."""
+    stats = store.stats()
+    for name, tier in stats.tiers.items():
+        assert (name, tier.bytes, tier.entries) == (name, 0, 0)
+    backend = store._manager._pipeline.backend_if_open
+    if backend is not None:
+        assert len(backend) == 0
+        assert backend.used_bytes == 0
+
+
+@pytest.fixture
+def empty_check() -> Callable[[tierstore.TierStore], None]:
+    return assert_empty
