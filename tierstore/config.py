@@ -192,7 +192,7 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         >>> from tierstore import load_config
         >>> toml = os.path.join(tempfile.mkdtemp(), "tierstore.toml")
         >>> with open(toml, "w") as f:
-        ...     _ = f.write('host_budget = "1GiB"\\ndisk_backend = "lmdb"\\n')
+        ...     _ = f.write('host_budget = "1GiB"\ndisk_backend = "lmdb"\n')
         >>> cfg = load_config(toml, host_budget="2GiB")
         >>> cfg.host_budget, cfg.disk_backend
         (2147483648, 'lmdb')

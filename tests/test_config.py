@@ -1,0 +1,186 @@
+"""TierConfig: sources in order, sizes, and the exact messages of bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import tierstore
+from tierstore.config import describe_config
+
+KNOWN = (
+    "Known settings: compression, compression_level, device_budget, disk_backend, disk_budget, "
+    "disk_path, host_budget, min_offload_bytes, prefetch_bytes"
+)
+SIZE = "expected a size such as '4GiB', '512MB' or a whole number of bytes"
+
+
+def test_sizes_accept_units_and_ints() -> None:
+    cfg = tierstore.TierConfig(
+        device_budget="4GiB", host_budget="512MB", disk_budget=1024, prefetch_bytes="1.5 GiB"
+    )
+    assert cfg.device_budget == 4 * 2**30
+    assert cfg.host_budget == 512 * 10**6
+    assert cfg.disk_budget == 1024
+    assert cfg.prefetch_bytes == 3 * 2**29
+
+
+def test_precedence_arguments_env_toml_defaults(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "tierstore.toml").write_text(
+        'host_budget = "1GiB"\ndisk_budget = "2GiB"\ndisk_backend = "lmdb"\n'
+    )
+    monkeypatch.setenv("TIERSTORE_DISK_BUDGET", "3GiB")
+    monkeypatch.setenv("TIERSTORE_DISK_BACKEND", "file")
+    cfg = tierstore.load_config(disk_backend="lmdb")
+    assert cfg.host_budget == 2**30  # TOML
+    assert cfg.disk_budget == 3 * 2**30  # env beats TOML
+    assert cfg.disk_backend == "lmdb"  # argument beats env
+    assert cfg.compression == "none"  # default
+    origins = {name: origin.describe() for name, _, origin in describe_config()}
+    assert origins["host_budget"] == f"TOML file {Path('tierstore.toml')}, key host_budget"
+    assert origins["disk_budget"] == "environment variable TIERSTORE_DISK_BUDGET"
+    assert origins["compression"] == "default"
+
+
+def test_config_env_names_the_toml_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    path = tmp_path / "elsewhere.toml"
+    path.write_text("min_offload_bytes = 0\n")
+    monkeypatch.setenv("TIERSTORE_CONFIG", str(path))
+    assert tierstore.TierConfig().min_offload_bytes == 0
+    explicit = tmp_path / "explicit.toml"
+    explicit.write_text("min_offload_bytes = 7\n")
+    assert tierstore.load_config(explicit).min_offload_bytes == 7
+
+
+def test_config_is_hashable_and_frozen() -> None:
+    a, b = tierstore.TierConfig(host_budget="1GiB"), tierstore.TierConfig(host_budget=2**30)
+    assert a == b and hash(a) == hash(b)
+    with pytest.raises(Exception, match="frozen"):
+        a.host_budget = 5  # type: ignore[misc]
+
+
+BAD_ARGUMENTS = [
+    (
+        {"disk_budget": "4 gigs"},
+        "tierstore: disk_budget='4 gigs' from argument is not valid "
+        f"(could not interpret byte unit: gigs); {SIZE}",
+    ),
+    (
+        {"host_budget": -1},
+        "tierstore: host_budget=-1 from argument is not valid "
+        f"(could not parse value and unit from byte string); {SIZE}",
+    ),
+    (
+        {"disk_backend": "tape"},
+        "tierstore: disk_backend='tape' from argument is not valid "
+        "(Input should be 'file' or 'lmdb'); expected one of 'file', 'lmdb'",
+    ),
+    (
+        {"compression_level": 99},
+        "tierstore: compression_level=99 from argument is not valid "
+        "(Input should be less than or equal to 22); expected a whole number from 1 to 22",
+    ),
+    (
+        {"devce_budget": 1},
+        "tierstore: unknown setting in argument devce_budget=1; did you mean device_budget? "
+        + KNOWN,
+    ),
+    (
+        {"device_budget": 0, "host_budget": 0, "disk_budget": 0},
+        "tierstore: device_budget, host_budget and disk_budget are all 0, so no tier can hold "
+        "a saved tensor; give at least one of them a size",
+    ),
+    (
+        {"compression": "zstd", "disk_budget": 0},
+        "tierstore: compression='zstd' applies to the disk tier, but disk_budget=0 disables it; "
+        "set compression='none' or give disk_budget a size",
+    ),
+]
+
+
+@pytest.mark.parametrize(("arguments", "message"), BAD_ARGUMENTS)
+def test_bad_arguments(arguments: dict[str, object], message: str) -> None:
+    with pytest.raises(tierstore.ConfigError) as info:
+        tierstore.TierConfig(**arguments)
+    assert str(info.value) == message
+    assert isinstance(info.value, ValueError)
+
+
+def test_disk_path_that_is_a_file(tmp_path: Path) -> None:
+    file = tmp_path / "not-a-dir"
+    file.write_text("")
+    with pytest.raises(tierstore.ConfigError) as info:
+        tierstore.TierConfig(disk_path=file)
+    assert str(info.value) == (
+        f"tierstore: disk_path={file!r} from argument is not valid "
+        "(exists and is not a directory); expected a path to a writable directory"
+    )
+
+
+def test_bad_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERSTORE_HOST_BUDGET", "3 gigs")
+    with pytest.raises(tierstore.ConfigError) as info:
+        tierstore.TierConfig()
+    assert str(info.value) == (
+        "tierstore: host_budget='3 gigs' from environment variable TIERSTORE_HOST_BUDGET is not "
+        f"valid (could not interpret byte unit: gigs); {SIZE}"
+    )
+
+
+def test_misspelt_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERSTORE_HOST_BUGDET", "3GiB")
+    with pytest.raises(tierstore.ConfigError) as info:
+        tierstore.TierConfig()
+    assert str(info.value) == (
+        "tierstore: unknown setting in environment variable TIERSTORE_HOST_BUGDET; "
+        f"did you mean TIERSTORE_HOST_BUDGET? {KNOWN}"
+    )
+
+
+def test_bad_toml_value_and_key(tmp_path: Path) -> None:
+    toml = tmp_path / "tierstore.toml"
+    toml.write_text('disk_budget = "2 parsecs"\n')
+    with pytest.raises(tierstore.ConfigError) as info:
+        tierstore.TierConfig()
+    assert str(info.value) == (
+        f"tierstore: disk_budget='2 parsecs' from TOML file {Path('tierstore.toml')}, key "
+        f"disk_budget is not valid (could not interpret byte unit: parsecs); {SIZE}"
+    )
+    toml.write_text("disk_budgt = 1\n")
+    with pytest.raises(tierstore.ConfigError) as info:
+        tierstore.TierConfig()
+    assert str(info.value) == (
+        f"tierstore: unknown setting in TOML file {Path('tierstore.toml')}: key 'disk_budgt'; "
+        f"did you mean disk_budget? {KNOWN}"
+    )
+
+
+def test_malformed_toml_and_missing_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "tierstore.toml").write_text("disk_budget = = 1\n")
+    with pytest.raises(
+        tierstore.ConfigError,
+        match=r"^tierstore: cannot read TOML file "
+        r"tierstore\.toml: .*line 1",
+    ):
+        tierstore.TierConfig()
+    with pytest.raises(tierstore.ConfigError) as info:
+        tierstore.load_config(tmp_path / "missing.toml")
+    assert str(info.value) == (
+        f"tierstore: load_config(path={str(tmp_path / 'missing.toml')!r}): no such TOML file; "
+        "pass the path of an existing file"
+    )
+    monkeypatch.setenv("TIERSTORE_CONFIG", "nope.toml")
+    with pytest.raises(tierstore.ConfigError) as info:
+        tierstore.TierConfig()
+    assert str(info.value) == (
+        "tierstore: TIERSTORE_CONFIG='nope.toml' names no file; "
+        "unset TIERSTORE_CONFIG or point it at a TOML file"
+    )
+
+
+def test_relative_disk_path_is_fixed_at_creation(tmp_path: Path) -> None:
+    cfg = tierstore.TierConfig(disk_path="spill")
+    assert cfg.disk_path == tmp_path / "spill"
