@@ -1,0 +1,1 @@
+"""Benchmarks and the demo model shipped with tierstore."""
