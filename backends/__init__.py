@@ -17,18 +17,19 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 from tierstore.backends.base import Backend
 from tierstore.backends.file import FileBackend
 from tierstore.backends.lmdb import LmdbBackend
-
 from tierstore.errors import ConfigError
 
 __all__ = ["Backend", "FileBackend", "LmdbBackend", "backend_class"]
 
-_BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (FileBackend, LmdbBackend)}
+_BACKENDS: dict[str, type[Backend[Any]]] = {cls.name: cls for cls in (FileBackend, LmdbBackend)}
 
 
-def backend_class(name: str) -> type[Backend]:
+def backend_class(name: str) -> type[Backend[Any]]:
     """The backend class that ``TierConfig.disk_backend=name`` selects.
 
     Args:

@@ -27,23 +27,12 @@ import bisect
 import ctypes
 import errno
 import os
-import threading
 import weakref
-from collections.abc import Sequence
-from pathlib import Path
 from typing import ClassVar
 
-from tierstore.backends._spill import SpillDir
-from tierstore.backends.base import Backend, Buffer
-
+from tierstore.backends.base import Backend
 from tierstore.config import human_bytes
-from tierstore.errors import (
-    ConfigError,
-    CorruptDataError,
-    StoreClosedError,
-    TierFullError,
-    TierstoreError,
-)
+from tierstore.errors import CorruptDataError, TierFullError, TierstoreError
 
 __all__ = ["ALIGN", "FileBackend"]
 
@@ -56,20 +45,6 @@ try:
     _IOV_MAX = max(1, os.sysconf("SC_IOV_MAX"))
 except (ValueError, OSError):  # pragma: no cover - every Linux has it
     _IOV_MAX = 1024
-
-
-def _byte_views(buffers: Sequence[Buffer]) -> list[memoryview]:
-    # Lengths and slicing must count bytes, not items: a memoryview over a
-    # float32 array has len() == nbytes / 4. Empty views are dropped, which
-    # also keeps the short-I/O loops below from spinning on them.
-    out: list[memoryview] = []
-    for buf in buffers:
-        view = memoryview(buf)
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
-        if view.nbytes:
-            out.append(view)
-    return out
 
 
 def _advance(views: list[memoryview], start: int, done: int) -> int:
@@ -203,13 +178,12 @@ class _ExtentAllocator:
             lengths.insert(i, nbytes)
 
 
-class FileBackend(Backend):
+class FileBackend(Backend[int]):
     """Records in one preallocated file, managed as a stack with a free list.
 
     The file, ``entries.bin``, lives in a private spill directory under
     ``root`` and is preallocated to ``capacity_bytes`` at construction. See
     ``NOTE [ File backend allocation ]`` for how space is handed out.
-    Thread-safe; ``close()`` waits for reads and writes in flight.
 
     Args:
         root: ``TierConfig.disk_path``: where to create the spill directory.
@@ -224,7 +198,9 @@ class FileBackend(Backend):
         >>> import tempfile
         >>> from pathlib import Path
         >>> from tierstore.backends.file import FileBackend
-        >>> backend = FileBackend(Path(tempfile.mkdtemp()), capacity_bytes=1 << 20)
+        >>> backend = FileBackend(Path(tempfile.mkdtemp()), capacity_bytes=10_000)
+        >>> backend.capacity_bytes  # rounded down to whole pages
+        8192
         >>> backend.write(1, [b"saved", b" activation"])
         4096
         >>> out = bytearray(16)
@@ -235,45 +211,30 @@ class FileBackend(Backend):
         (4096, 1)
         >>> backend.delete(1)
         >>> backend.close()
+        >>> backend.directory.exists()
+        False
     """
 
     name: ClassVar[str] = "file"
 
-    def __init__(self, root: Path, capacity_bytes: int) -> None:
-        if capacity_bytes < 0:
-            raise ConfigError(
-                f"tierstore: disk_budget={capacity_bytes} is negative; "
-                "set disk_budget (TIERSTORE_DISK_BUDGET) to a size such as '64GiB'"
-            )
-        root = Path(root)
-        self._budget = capacity_bytes
-        self._capacity = capacity_bytes - capacity_bytes % ALIGN
-        self._spill = SpillDir(root)
+    def _open_storage(self) -> None:
+        self._capacity = self._budget - self._budget % ALIGN
         self._path = self._spill.file(_DATA_NAME)
+        fd = self._spill.open_file(_DATA_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
-            fd = self._spill.open_file(_DATA_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL)
-            try:
-                self._preallocate(fd, root)
-            except BaseException:
-                os.close(fd)
-                raise
+            self._preallocate(fd)
         except BaseException:
-            self._spill.close()
+            os.close(fd)
             raise
         self._fd = fd
         # Closes the fd if the backend is dropped without close(); close() calls it.
         self._fd_finalizer = weakref.finalize(self, os.close, fd)
         self._alloc = _ExtentAllocator(self._capacity)
-        self._records: dict[int, tuple[int, int, int]] = {}  # key -> offset, length, footprint
-        self._used = 0
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._in_flight = 0
-        self._closed = False
 
-    def _preallocate(self, fd: int, root: Path) -> None:
+    def _preallocate(self, fd: int) -> None:
         if self._capacity == 0:
             return
+        root = self._spill.path.parent
         where = f"cannot preallocate disk_budget={human_bytes(self._budget)} in {root}"
         # Ask first: ext4 can allocate part of a request before it fails with
         # ENOSPC, and glibc emulates fallocate by writing blocks where the
@@ -303,284 +264,46 @@ class FileBackend(Backend):
                 "(TIERSTORE_DISK_PATH) to a writable local directory"
             ) from e
 
-    # -- lifecycle ---------------------------------------------------------
-
-    def _closed_error(self) -> StoreClosedError:
-        return StoreClosedError(f"tierstore: the file backend at {self._spill.path} is closed")
-
-    def _leave(self) -> None:
-        with self._lock:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.notify_all()
-
-    def close(self) -> None:
-        """Close the file and remove the spill directory.
-
-        Waits for reads and writes in flight on other threads. Idempotent:
-        calling it again does nothing.
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.file import FileBackend
-            >>> backend = FileBackend(Path(tempfile.mkdtemp()), capacity_bytes=8192)
-            >>> backend.close()
-            >>> backend.close()
-            >>> backend.directory.exists()
-            False
-        """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            # An fd closed under a running pwritev could be reused by another
-            # open() and get our bytes, so wait for the I/O to drain first.
-            while self._in_flight:
-                self._idle.wait()
+    def _close_storage(self) -> None:
         self._fd_finalizer()
-        self._spill.close()
 
-    # -- facts -------------------------------------------------------------
-
-    @property
-    def directory(self) -> Path:
-        """The private spill directory; it no longer exists after :meth:`close`.
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.file import FileBackend
-            >>> backend = FileBackend(Path(tempfile.mkdtemp()), capacity_bytes=8192)
-            >>> (backend.directory / "entries.bin").stat().st_size
-            8192
-            >>> backend.close()
-        """
-        return self._spill.path
-
-    @property
-    def capacity_bytes(self) -> int:
-        """The file's size: the budget rounded down to a multiple of :data:`ALIGN`.
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.file import FileBackend
-            >>> backend = FileBackend(Path(tempfile.mkdtemp()), capacity_bytes=10_000)
-            >>> backend.capacity_bytes
-            8192
-            >>> backend.close()
-        """
-        return self._capacity
-
-    @property
-    def used_bytes(self) -> int:
-        """Footprint bytes of live records (and of writes in flight).
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.file import FileBackend
-            >>> backend = FileBackend(Path(tempfile.mkdtemp()), capacity_bytes=1 << 20)
-            >>> backend.write(0, [bytes(5000)])
-            8192
-            >>> backend.used_bytes
-            8192
-            >>> backend.close()
-        """
-        with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            return self._used
-
-    def footprint(self, nbytes: int) -> int:
-        """``nbytes`` rounded up to a multiple of :data:`ALIGN`; 0 for an empty record.
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.file import FileBackend
-            >>> backend = FileBackend(Path(tempfile.mkdtemp()), capacity_bytes=8192)
-            >>> backend.footprint(0), backend.footprint(1), backend.footprint(4097)
-            (0, 4096, 8192)
-            >>> backend.close()
-        """
+    def _footprint(self, nbytes: int) -> int:
         return -(-nbytes // ALIGN) * ALIGN
 
-    def __len__(self) -> int:
-        """The number of live records.
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.file import FileBackend
-            >>> backend = FileBackend(Path(tempfile.mkdtemp()), capacity_bytes=8192)
-            >>> backend.write(3, [b""])
-            0
-            >>> len(backend)
-            1
-            >>> backend.close()
-        """
-        with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            return len(self._records)
-
-    # -- records -----------------------------------------------------------
-
-    def _full_error(self, footprint: int) -> TierFullError:
-        free = self._alloc.free_bytes()
-        if free >= footprint:
-            detail = (
+    def _reserve(self, key: int, footprint: int) -> int:
+        offset = self._alloc.allocate(footprint) if footprint else 0
+        if offset is None:
+            free = self._alloc.free_bytes()
+            raise self._full_error(
+                footprint,
                 f"fragmented free space: {human_bytes(free)} free, "
-                f"largest extent {human_bytes(self._alloc.largest_free())}"
+                f"largest extent {human_bytes(self._alloc.largest_free())}",
             )
-        else:
-            detail = f"{human_bytes(free)} free"
-        return TierFullError(
-            f"tierstore: disk tier is full: {human_bytes(self._used)} in use of "
-            f"disk_budget={human_bytes(self._budget)}; a record of "
-            f"{human_bytes(footprint)} does not fit ({detail}); raise disk_budget "
-            "(TIERSTORE_DISK_BUDGET)"
-        )
+        return offset
 
-    def write(self, key: int, chunks: Sequence[Buffer]) -> int:
-        """Store the concatenation of ``chunks`` under ``key``; returns its footprint.
+    def _release(self, place: int, footprint: int) -> None:
+        self._alloc.free(place, footprint)
 
-        Raises:
-            TierFullError: No free extent is large enough; nothing is stored.
-            TierstoreError: The write failed (the ``OSError`` is the
-                ``__cause__``); nothing is stored.
-            ValueError: ``key`` is already stored.
-            StoreClosedError: The backend is closed.
+    # -- I/O (NOTE: the O_DIRECT / async path replaces these two) -----------
 
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.file import FileBackend
-            >>> backend = FileBackend(Path(tempfile.mkdtemp()), capacity_bytes=1 << 20)
-            >>> backend.write(1, [b"a" * 4096, b"b"])
-            8192
-            >>> backend.close()
-        """
-        views = _byte_views(chunks)
-        length = sum(v.nbytes for v in views)
-        footprint = self.footprint(length)
-        with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            if key in self._records:
-                raise ValueError(f"tierstore: key {key} is already stored in the disk tier")
-            offset = self._alloc.allocate(footprint) if footprint else 0
-            if offset is None:
-                raise self._full_error(footprint)
-            self._used += footprint
-            self._in_flight += 1
-        stored = False
+    def _store(self, key: int, place: int, views: list[memoryview], length: int) -> None:
+        offset, i = place, 0
         try:
-            if views:
-                self._pwrite(views, offset)
-            with self._lock:
-                if key in self._records:  # a racing write of the same key won
-                    raise ValueError(f"tierstore: key {key} is already stored in the disk tier")
-                self._records[key] = (offset, length, footprint)
-                stored = True
+            while i < len(views):
+                written = os.pwritev(self._fd, views[i : i + _IOV_MAX], offset)
+                if written <= 0:
+                    raise OSError(errno.EIO, "pwritev wrote nothing")
+                offset += written
+                i = _advance(views, i, written)
         except OSError as e:
             raise TierstoreError(
                 f"tierstore: writing entry {key} ({human_bytes(length)}) to {self._path} failed: "
                 f"{e}; check the disk under disk_path (TIERSTORE_DISK_PATH)"
             ) from e
-        finally:
-            with self._lock:
-                if not stored:
-                    self._alloc.free(offset, footprint)
-                    self._used -= footprint
-                self._in_flight -= 1
-                if self._in_flight == 0:
-                    self._idle.notify_all()
-        return footprint
 
-    def read_into(self, key: int, views: Sequence[memoryview]) -> None:
-        """Fill ``views``, in order, with the bytes stored under ``key``.
-
-        Raises:
-            KeyError: Nothing is stored under ``key``.
-            CorruptDataError: The views do not add up to the record's length,
-                or the file ends before the record does.
-            StoreClosedError: The backend is closed.
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.file import FileBackend
-            >>> backend = FileBackend(Path(tempfile.mkdtemp()), capacity_bytes=1 << 20)
-            >>> backend.write(1, [b"header", b"payload"])
-            4096
-            >>> head, body = bytearray(6), bytearray(7)
-            >>> backend.read_into(1, [memoryview(head), memoryview(body)])
-            >>> bytes(head), bytes(body)
-            (b'header', b'payload')
-            >>> backend.close()
-        """
-        targets = _byte_views(views)
-        wanted = sum(v.nbytes for v in targets)
-        with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            offset, length, _ = self._records[key]
-            if wanted != length:
-                raise CorruptDataError(
-                    f"tierstore: entry {key} in the disk tier ({self._path}) holds "
-                    f"{length} bytes, not the {wanted} bytes asked for"
-                )
-            self._in_flight += 1
-        try:
-            if targets:
-                self._pread(key, targets, offset)
-        finally:
-            self._leave()
-
-    def delete(self, key: int) -> None:
-        """Free the record under ``key``; its extent can be reused at once.
-
-        Raises:
-            KeyError: Nothing is stored under ``key``.
-            StoreClosedError: The backend is closed.
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.file import FileBackend
-            >>> backend = FileBackend(Path(tempfile.mkdtemp()), capacity_bytes=1 << 20)
-            >>> backend.write(1, [b"x"])
-            4096
-            >>> backend.delete(1)
-            >>> backend.used_bytes
-            0
-            >>> backend.close()
-        """
-        with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            offset, _, footprint = self._records.pop(key)
-            self._alloc.free(offset, footprint)
-            self._used -= footprint
-
-    # -- I/O (NOTE: the O_DIRECT / async path replaces these two) -----------
-
-    def _pwrite(self, views: list[memoryview], offset: int) -> None:
-        i = 0
-        while i < len(views):
-            written = os.pwritev(self._fd, views[i : i + _IOV_MAX], offset)
-            if written <= 0:
-                raise OSError(errno.EIO, "pwritev wrote nothing")
-            offset += written
-            i = _advance(views, i, written)
-
-    def _pread(self, key: int, views: list[memoryview], offset: int) -> None:
-        start, done = offset, 0
+    def _load(self, key: int, place: int, views: list[memoryview]) -> None:
+        offset, done, i = place, 0, 0
         total = sum(v.nbytes for v in views)
-        i = 0
         while i < len(views):
             try:
                 got = os.preadv(self._fd, views[i : i + _IOV_MAX], offset)
@@ -592,13 +315,9 @@ class FileBackend(Backend):
             if got == 0:
                 raise CorruptDataError(
                     f"tierstore: entry {key} in the disk tier ({self._path}) ends early: "
-                    f"the file ends after {done} of its {total} bytes at offset {start}; "
+                    f"the file ends after {done} of its {total} bytes at offset {place}; "
                     "the file was truncated outside tierstore"
                 )
             offset += got
             done += got
             i = _advance(views, i, got)
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._records)} records"
-        return f"FileBackend('{self._spill.path}', capacity_bytes={self._capacity}, {state})"

@@ -44,22 +44,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
-from pathlib import Path
 from typing import ClassVar
 
 import lmdb
-from tierstore.backends._spill import SpillDir
-from tierstore.backends.base import Backend, Buffer
 
+from tierstore.backends.base import Backend
 from tierstore.config import human_bytes
-from tierstore.errors import (
-    ConfigError,
-    CorruptDataError,
-    StoreClosedError,
-    TierFullError,
-    TierstoreError,
-)
+from tierstore.errors import CorruptDataError, TierFullError, TierstoreError
 
 __all__ = ["LmdbBackend"]
 
@@ -100,22 +91,14 @@ def _key_bytes(key: int) -> bytes:
         ) from None
 
 
-def _byte_view(buf: Buffer) -> memoryview:
-    view = memoryview(buf)
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
-    return view
-
-
-class LmdbBackend(Backend):
+class LmdbBackend(Backend[bytes]):
     """Records in one LMDB environment, keyed by 8-byte big-endian integers.
 
     The environment, ``entries.lmdb``, lives in a private spill directory
     under ``root``. It is opened without fsync (the data does not outlive the
     process) and without readahead (reads are random). See
     ``NOTE [ LMDB map size ]`` for how large its file may grow and
-    ``NOTE [ LMDB threads ]`` for concurrency. Thread-safe; ``close()`` waits
-    for reads and writes in flight.
+    ``NOTE [ LMDB threads ]`` for concurrency.
 
     Args:
         root: ``TierConfig.disk_path``: where to create the spill directory.
@@ -130,35 +113,37 @@ class LmdbBackend(Backend):
         >>> from pathlib import Path
         >>> from tierstore.backends.lmdb import LmdbBackend
         >>> backend = LmdbBackend(Path(tempfile.mkdtemp()), capacity_bytes=1 << 20)
-        >>> backend.write(1, [b"saved", b" activation"])
-        4096
-        >>> out = bytearray(16)
+        >>> backend.map_size
+        3145728
+        >>> backend.write(1, [b"a" * 4096, b"b"])  # 4097 bytes + page header: 2 pages
+        8192
+        >>> out = bytearray(4097)
         >>> backend.read_into(1, [memoryview(out)])
-        >>> bytes(out)
-        b'saved activation'
+        >>> bytes(out[-2:])
+        b'ab'
         >>> backend.delete(1)
+        >>> backend.used_bytes, len(backend)
+        (0, 0)
         >>> backend.close()
     """
 
     name: ClassVar[str] = "lmdb"
 
-    def __init__(self, root: Path, capacity_bytes: int) -> None:
-        if capacity_bytes < 0:
-            raise ConfigError(
-                f"tierstore: disk_budget={capacity_bytes} is negative; "
-                "set disk_budget (TIERSTORE_DISK_BUDGET) to a size such as '64GiB'"
-            )
-        self._capacity = capacity_bytes
-        self._map_size = _map_size(capacity_bytes)
-        self._spill = SpillDir(Path(root))
+    @property
+    def map_size(self) -> int:
+        """The LMDB ``map_size``; see ``NOTE [ LMDB map size ]``."""
+        return _map_size(self._capacity)
+
+    def _open_storage(self) -> None:
         self._path = self._spill.file(_ENV_NAME)
+        self._write_lock = threading.Lock()
         try:
             # py-lmdb would make the subdirectory with ``mode`` (0600, no
             # search bit); make it ourselves, 0700.
             os.mkdir(self._path, 0o700)
             self._env = lmdb.open(
                 str(self._path),
-                map_size=self._map_size,
+                map_size=self.map_size,
                 subdir=True,
                 sync=False,
                 metasync=False,
@@ -169,131 +154,16 @@ class LmdbBackend(Backend):
                 mode=0o600,
             )
         except (OSError, lmdb.Error) as e:
-            self._spill.close()
             raise TierstoreError(
                 f"tierstore: cannot open an LMDB environment in {self._path}: {e}; "
                 "set disk_path (TIERSTORE_DISK_PATH) to a writable local directory"
             ) from e
         self._page_size: int = self._env.stat()["psize"]
-        self._records: dict[int, tuple[int, int]] = {}  # key -> length, footprint
-        self._used = 0
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._write_lock = threading.Lock()
-        self._in_flight = 0
-        self._closed = False
 
-    # -- lifecycle ---------------------------------------------------------
-
-    def _closed_error(self) -> StoreClosedError:
-        return StoreClosedError(f"tierstore: the lmdb backend at {self._spill.path} is closed")
-
-    def _enter(self) -> None:
-        with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            self._in_flight += 1
-
-    def _leave(self) -> None:
-        with self._lock:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.notify_all()
-
-    def close(self) -> None:
-        """Close the environment and remove the spill directory.
-
-        Waits for reads and writes in flight on other threads. Idempotent:
-        calling it again does nothing.
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.lmdb import LmdbBackend
-            >>> backend = LmdbBackend(Path(tempfile.mkdtemp()), capacity_bytes=1 << 20)
-            >>> backend.close()
-            >>> backend.close()
-            >>> backend.directory.exists()
-            False
-        """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            # env.close() under a live transaction would invalidate it mid-copy.
-            while self._in_flight:
-                self._idle.wait()
+    def _close_storage(self) -> None:
         self._env.close()
-        self._spill.close()
 
-    # -- facts -------------------------------------------------------------
-
-    @property
-    def directory(self) -> Path:
-        """The private spill directory; it no longer exists after :meth:`close`.
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.lmdb import LmdbBackend
-            >>> backend = LmdbBackend(Path(tempfile.mkdtemp()), capacity_bytes=1 << 20)
-            >>> sorted(p.name for p in (backend.directory / "entries.lmdb").iterdir())
-            ['data.mdb', 'lock.mdb']
-            >>> backend.close()
-        """
-        return self._spill.path
-
-    @property
-    def capacity_bytes(self) -> int:
-        """The budget: footprint bytes the live records may take at most.
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.lmdb import LmdbBackend
-            >>> backend = LmdbBackend(Path(tempfile.mkdtemp()), capacity_bytes=10_000)
-            >>> backend.capacity_bytes
-            10000
-            >>> backend.close()
-        """
-        return self._capacity
-
-    @property
-    def map_size(self) -> int:
-        """The LMDB ``map_size``; see ``NOTE [ LMDB map size ]``.
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.lmdb import LmdbBackend
-            >>> backend = LmdbBackend(Path(tempfile.mkdtemp()), capacity_bytes=1 << 20)
-            >>> backend.map_size
-            3145728
-            >>> backend.close()
-        """
-        return self._map_size
-
-    @property
-    def used_bytes(self) -> int:
-        """Footprint bytes of live records (and of writes in flight).
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.lmdb import LmdbBackend
-            >>> backend = LmdbBackend(Path(tempfile.mkdtemp()), capacity_bytes=1 << 20)
-            >>> backend.write(0, [bytes(5000)])
-            8192
-            >>> backend.used_bytes
-            8192
-            >>> backend.close()
-        """
-        with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            return self._used
-
-    def footprint(self, nbytes: int) -> int:
+    def _footprint(self, nbytes: int) -> int:
         """An upper bound on the pages a record of ``nbytes`` takes.
 
         A value too large for a leaf page (above about half a page) is stored
@@ -302,93 +172,32 @@ class LmdbBackend(Backend):
         value shares a leaf page with others; counting it as one whole page
         over-estimates it, which keeps the budget safe. The record's leaf
         node is covered by the map's headroom (``NOTE [ LMDB map size ]``).
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.lmdb import LmdbBackend
-            >>> backend = LmdbBackend(Path(tempfile.mkdtemp()), capacity_bytes=1 << 20)
-            >>> backend.footprint(0), backend.footprint(4080), backend.footprint(4081)
-            (4096, 4096, 8192)
-            >>> backend.close()
         """
         pages = -(-(nbytes + _PAGE_HEADER) // self._page_size)
         return pages * self._page_size
 
-    def __len__(self) -> int:
-        """The number of live records, as LMDB counts them.
+    def _reserve(self, key: int, footprint: int) -> bytes:
+        # The budget is the base class's; LMDB's own room shows at the put.
+        return _key_bytes(key)
 
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.lmdb import LmdbBackend
-            >>> backend = LmdbBackend(Path(tempfile.mkdtemp()), capacity_bytes=1 << 20)
-            >>> backend.write(3, [b""])
-            4096
-            >>> len(backend)
-            1
-            >>> backend.close()
-        """
-        self._enter()
-        try:
-            entries: int = self._env.stat()["entries"]
-            return entries
-        finally:
-            self._leave()
+    def _release(self, place: bytes, footprint: int) -> None:
+        pass
 
-    # -- records -----------------------------------------------------------
+    def _count(self) -> int:
+        entries: int = self._env.stat()["entries"]
+        return entries
 
-    def write(self, key: int, chunks: Sequence[Buffer]) -> int:
-        """Store the concatenation of ``chunks`` under ``key``; returns its footprint.
-
-        Raises:
-            TierFullError: The record would take the live footprint past the
-                budget, or LMDB's map is full; nothing is stored.
-            TierstoreError: LMDB failed otherwise (its error is the ``__cause__``).
-            ValueError: ``key`` is already stored, or is not in ``[0, 2**64)``.
-            StoreClosedError: The backend is closed.
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.lmdb import LmdbBackend
-            >>> backend = LmdbBackend(Path(tempfile.mkdtemp()), capacity_bytes=1 << 20)
-            >>> backend.write(1, [b"a" * 4096, b"b"])  # 4097 bytes + page header: 2 pages
-            8192
-            >>> backend.close()
-        """
-        kb = _key_bytes(key)
+    def _store(self, key: int, place: bytes, views: list[memoryview], length: int) -> None:
         # py-lmdb takes one buffer per value: pass a lone chunk as it is and
         # join several with a single copy.
-        value: Buffer = _byte_view(chunks[0]) if len(chunks) == 1 else b"".join(chunks)
-        length = len(value)
-        footprint = self.footprint(length)
-        with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            if key in self._records:
-                raise ValueError(f"tierstore: key {key} is already stored in the disk tier")
-            if self._used + footprint > self._capacity:
-                free = max(self._capacity - self._used, 0)
-                raise TierFullError(
-                    f"tierstore: disk tier is full: {human_bytes(self._used)} in use of "
-                    f"disk_budget={human_bytes(self._capacity)}; a record of "
-                    f"{human_bytes(footprint)} does not fit ({human_bytes(free)} free); "
-                    "raise disk_budget (TIERSTORE_DISK_BUDGET)"
-                )
-            # Claimed now so that concurrent writers cannot overshoot together.
-            self._records[key] = (length, footprint)
-            self._used += footprint
-            self._in_flight += 1
-        stored = False
+        value = views[0] if len(views) == 1 else b"".join(views)
         try:
             with self._write_lock:
-                if not self._put(kb, value):
+                if not self._put(place, value):
                     raise CorruptDataError(
                         f"tierstore: entry {key} is already in the disk tier ({self._path}) "
                         "although it was never written"
                     )
-            stored = True
         except lmdb.MapFullError as e:
             map_size = human_bytes(self._env.info()["map_size"])
             raise TierFullError(
@@ -400,17 +209,8 @@ class LmdbBackend(Backend):
                 f"tierstore: writing entry {key} ({human_bytes(length)}) to {self._path} failed: "
                 f"{e}; check the disk under disk_path (TIERSTORE_DISK_PATH)"
             ) from e
-        finally:
-            with self._lock:
-                if not stored:
-                    del self._records[key]
-                    self._used -= footprint
-                self._in_flight -= 1
-                if self._in_flight == 0:
-                    self._idle.notify_all()
-        return footprint
 
-    def _put(self, kb: bytes, value: Buffer) -> bool:
+    def _put(self, kb: bytes, value: bytes | memoryview) -> bool:
         # Caller holds _write_lock. See NOTE [ LMDB map size ] for the retries.
         aging_left = _AGING_TXNS
         while True:
@@ -433,105 +233,35 @@ class LmdbBackend(Backend):
             return False
         return True
 
-    def read_into(self, key: int, views: Sequence[memoryview]) -> None:
-        """Fill ``views``, in order, with the bytes stored under ``key``.
+    def _load(self, key: int, place: bytes, views: list[memoryview]) -> None:
+        wanted = sum(v.nbytes for v in views)
+        # buffers=True: the value is a view into the map, valid inside the
+        # transaction only, so it is copied out before the txn ends.
+        with self._env.begin(buffers=True) as txn:
+            value = txn.get(place)
+            if value is None:
+                raise CorruptDataError(
+                    f"tierstore: entry {key} is missing from the disk tier ({self._path})"
+                )
+            src = memoryview(value).cast("B")
+            if src.nbytes != wanted:
+                raise CorruptDataError(
+                    f"tierstore: entry {key} in the disk tier ({self._path}) holds "
+                    f"{src.nbytes} bytes, not the {wanted} bytes asked for"
+                )
+            pos = 0
+            for dst in views:
+                dst[:] = src[pos : pos + dst.nbytes]
+                pos += dst.nbytes
 
-        Raises:
-            KeyError: Nothing is stored under ``key``.
-            CorruptDataError: The views do not add up to the record's length,
-                or LMDB has lost the record.
-            StoreClosedError: The backend is closed.
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.lmdb import LmdbBackend
-            >>> backend = LmdbBackend(Path(tempfile.mkdtemp()), capacity_bytes=1 << 20)
-            >>> backend.write(1, [b"header", b"payload"])
-            4096
-            >>> head, body = bytearray(6), bytearray(7)
-            >>> backend.read_into(1, [memoryview(head), memoryview(body)])
-            >>> bytes(head), bytes(body)
-            (b'header', b'payload')
-            >>> backend.close()
-        """
-        targets = [_byte_view(v) for v in views]
-        wanted = sum(v.nbytes for v in targets)
-        kb = _key_bytes(key)
-        with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            if key not in self._records:
-                raise KeyError(key)
-            self._in_flight += 1
-        try:
-            # buffers=True: the value is a view into the map, valid inside the
-            # transaction only, so it is copied out before the txn ends.
-            with self._env.begin(buffers=True) as txn:
-                value = txn.get(kb)
-                if value is None:
-                    raise CorruptDataError(
-                        f"tierstore: entry {key} is missing from the disk tier ({self._path})"
-                    )
-                src = _byte_view(value)
-                if src.nbytes != wanted:
-                    raise CorruptDataError(
-                        f"tierstore: entry {key} in the disk tier ({self._path}) holds "
-                        f"{src.nbytes} bytes, not the {wanted} bytes asked for"
-                    )
-                pos = 0
-                for dst in targets:
-                    dst[:] = src[pos : pos + dst.nbytes]
-                    pos += dst.nbytes
-        finally:
-            self._leave()
-
-    def delete(self, key: int) -> None:
-        """Remove the record under ``key``.
-
-        Its footprint is free for the budget at once; LMDB reuses the pages a
-        little later (``NOTE [ LMDB map size ]``).
-
-        Raises:
-            KeyError: Nothing is stored under ``key``.
-            StoreClosedError: The backend is closed.
-
-        Example:
-            >>> import tempfile
-            >>> from pathlib import Path
-            >>> from tierstore.backends.lmdb import LmdbBackend
-            >>> backend = LmdbBackend(Path(tempfile.mkdtemp()), capacity_bytes=1 << 20)
-            >>> backend.write(1, [b"x"])
-            4096
-            >>> backend.delete(1)
-            >>> backend.used_bytes, len(backend)
-            (0, 0)
-            >>> backend.close()
-        """
-        kb = _key_bytes(key)
-        with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            if key not in self._records:
-                raise KeyError(key)
-            self._in_flight += 1
+    def _erase(self, key: int, place: bytes) -> None:
         try:
             with self._write_lock, self._env.begin(write=True) as txn:
                 # A delete only copies a leaf and its parents: a few pages
                 # that the map's fixed headroom holds.
-                txn.delete(kb)
+                txn.delete(place)
         except lmdb.Error as e:
             raise TierstoreError(
                 f"tierstore: deleting entry {key} from {self._path} failed: {e}; "
                 "raise disk_budget (TIERSTORE_DISK_BUDGET) if the LMDB map is full"
             ) from e
-        else:
-            with self._lock:
-                _, footprint = self._records.pop(key)
-                self._used -= footprint
-        finally:
-            self._leave()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._records)} records"
-        return f"LmdbBackend('{self._spill.path}', capacity_bytes={self._capacity}, {state})"

@@ -6,10 +6,10 @@ import ast
 import inspect
 from pathlib import Path
 
-import tierstore.backends.base
 import torch
 
 import tierstore
+import tierstore.backends.base
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODULES = [
     "tierstore",
     "tierstore.backends",
+    "tierstore.backends._spill",
     "tierstore.backends.base",
     "tierstore.backends.file",
     "tierstore.backends.lmdb",

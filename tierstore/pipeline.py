@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -69,11 +70,11 @@ class Pipeline:
 
     def __init__(self, config: TierConfig) -> None:
         self._config = config
-        self._backend: Backend | None = None
+        self._backend: Backend[Any] | None = None
         self._closed = False
 
     @property
-    def backend(self) -> Backend:
+    def backend(self) -> Backend[Any]:
         """The disk backend, opened on first use."""
         if self._closed:
             raise StoreClosedError("tierstore: this store is closed; its disk tier is gone")
@@ -83,7 +84,7 @@ class Pipeline:
         return self._backend
 
     @property
-    def backend_if_open(self) -> Backend | None:
+    def backend_if_open(self) -> Backend[Any] | None:
         """The disk backend if a write has opened it, else ``None``."""
         return self._backend
 

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import tierstore.backends
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -25,10 +24,11 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+
+import tierstore.backends
 from tierstore.backends import Backend, FileBackend, LmdbBackend, backend_class
 from tierstore.backends import file as file_backend
 from tierstore.backends.file import ALIGN, _ExtentAllocator
-
 from tierstore.config import human_bytes
 from tierstore.errors import (
     ConfigError,
@@ -421,7 +421,7 @@ def test_preallocation_without_space(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_budget_larger_than_the_free_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     called: list[int] = []
     monkeypatch.setattr(os, "fstatvfs", lambda fd: SimpleNamespace(f_bavail=256, f_frsize=4 * KiB))
-    monkeypatch.setattr(os, "posix_fallocate", lambda fd, offset, length: called.append(length))
+    monkeypatch.setattr(file_backend, "_fallocate", lambda fd, n: called.append(n))
     with pytest.raises(TierFullError) as info:
         FileBackend(tmp_path, 64 * MiB)
     assert str(info.value) == (

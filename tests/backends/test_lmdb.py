@@ -14,11 +14,11 @@ from pathlib import Path
 
 import lmdb
 import pytest
-import tierstore.backends.lmdb as lmdb_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tierstore.backends import Backend, LmdbBackend
 
+import tierstore.backends.lmdb as lmdb_module
+from tierstore.backends import Backend, LmdbBackend
 from tierstore.errors import (
     ConfigError,
     CorruptDataError,

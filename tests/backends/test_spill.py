@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from tierstore.backends import FileBackend, LmdbBackend
 from tierstore.backends._spill import SpillDir
 from tierstore.backends.base import Backend
-
 from tierstore.errors import ConfigError
 
 HINT = "; set disk_path (TIERSTORE_DISK_PATH) to a writable local directory"
