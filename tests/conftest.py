@@ -70,6 +70,29 @@ def disk_store(disk_config: tierstore.TierConfig) -> Iterator[tierstore.TierStor
     store.close()
 
 
+@pytest.fixture(params=["host", *DISK_VARIANTS])
+def any_store(request: pytest.FixtureRequest, spill_root: Path) -> Iterator[tierstore.TierStore]:
+    """Every offloadable saved tensor goes to the host tier, or to disk on each backend."""
+    if request.param == "host":
+        config = tierstore.TierConfig(
+            device_budget=0, host_budget="256MiB", disk_budget=0, min_offload_bytes=0
+        )
+    else:
+        backend, compression = request.param
+        config = tierstore.TierConfig(
+            device_budget=0,
+            host_budget=0,
+            disk_budget="256MiB",
+            disk_path=spill_root,
+            disk_backend=backend,
+            compression=compression,
+            min_offload_bytes=0,
+        )
+    store = tierstore.TierStore(config)
+    yield store
+    store.close()
+
+
 def _grads(model: torch.nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
     return [p.grad for p in model.parameters()] + [x.grad for x in inputs if x.requires_grad]
 

@@ -149,11 +149,13 @@ def from_span(span: torch.Tensor, layout: Layout) -> torch.Tensor:
     Example:
         >>> import torch
         >>> from tierstore.codec import from_span, to_span
-        >>> x = torch.randn(3, 5)[:, 1:4]
+        >>> x = torch.randn(3, 5)[1:, 1:4]      # a view that starts mid-storage
         >>> torch.equal(from_span(*to_span(x)), x)
         True
     """
-    return span.as_strided(layout.shape, layout.stride, layout.offset)
+    # as_strided's offset counts from the start of the storage, not of the
+    # span, and a zero-copy span of a view starts wherever the view did.
+    return span.as_strided(layout.shape, layout.stride, span.storage_offset() + layout.offset)
 
 
 # --------------------------------------------------------------------------
