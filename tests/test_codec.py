@@ -37,8 +37,12 @@ def _round_trip(t: torch.Tensor, compression: codec.Compression) -> torch.Tensor
 def _random(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if dtype == torch.bool:
         return torch.rand(shape) > 0.5
+    if dtype.itemsize == 1 and dtype.is_floating_point:  # float8: no randn kernel
+        return torch.randint(0, 256, shape, dtype=torch.uint8).view(dtype)
     if dtype.is_floating_point or dtype.is_complex:
         return torch.randn(shape, dtype=dtype)
+    if dtype in (torch.uint16, torch.uint32, torch.uint64):  # no randint kernel either
+        return torch.randint(0, 30000, shape, dtype=torch.int64).to(dtype)
     return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, dtype=dtype)
 
 

@@ -11,7 +11,7 @@ from tierstore.config import describe_config
 
 KNOWN = (
     "Known settings: compression, compression_level, device_budget, disk_backend, disk_budget, "
-    "disk_path, host_budget, min_offload_bytes, prefetch_bytes"
+    "disk_path, host_budget, io_workers, min_offload_bytes, prefetch_bytes, write_queue_bytes"
 )
 SIZE = "expected a size such as '4GiB', '512MB' or a whole number of bytes"
 
@@ -70,8 +70,20 @@ BAD_ARGUMENTS = [
     ),
     (
         {"host_budget": -1},
-        "tierstore: host_budget=-1 from argument is not valid "
-        f"(could not parse value and unit from byte string); {SIZE}",
+        f"tierstore: host_budget=-1 from argument is not valid (a size cannot be negative); {SIZE}",
+    ),
+    (
+        {"disk_budget": True},
+        f"tierstore: disk_budget=True from argument is not valid (a bool is not a size); {SIZE}",
+    ),
+    (
+        {"disk_path": ""},
+        "tierstore: disk_path='' from argument is not valid (an empty path); "
+        "expected a path to a writable directory",
+    ),
+    (
+        {"bogus": 1},
+        "tierstore: unknown setting in argument bogus=1. " + KNOWN,
     ),
     (
         {"disk_backend": "tape"},
@@ -184,3 +196,22 @@ def test_malformed_toml_and_missing_files(monkeypatch: pytest.MonkeyPatch, tmp_p
 def test_relative_disk_path_is_fixed_at_creation(tmp_path: Path) -> None:
     cfg = tierstore.TierConfig(disk_path="spill")
     assert cfg.disk_path == tmp_path / "spill"
+
+
+def test_configs_that_are_not_configs() -> None:
+    with pytest.raises(tierstore.ConfigError) as info:
+        tierstore.TierStore({"host_budget": 1})  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "tierstore: TierStore(config=...) takes a TierConfig; got dict. Build one with "
+        "tierstore.TierConfig(**settings), or pass settings as keywords to tierstore.offload(...)"
+    )
+    with (
+        pytest.raises(tierstore.ConfigError, match=r"offload\(config=\.\.\.\) takes a TierConfig"),
+        tierstore.offload({"host_budget": 1}),  # type: ignore[arg-type]
+    ):
+        pass
+    with pytest.raises(tierstore.ConfigError) as info:
+        tierstore.load_config(123)  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "tierstore: load_config(path=123) takes the path of a TOML file; got int"
+    )

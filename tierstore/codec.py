@@ -176,14 +176,12 @@ _ST_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
     torch.complex64: "C64",
 }
+# Every dtype this torch has, by the name str() gives it, for reading headers
+# back (aliases such as torch.half map to their canonical name).
 _DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
-    for dt in (
-        *_ST_DTYPES,
-        torch.complex128,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-    )
+    for dt in (getattr(torch, name) for name in dir(torch))
+    if isinstance(dt, torch.dtype)
 }
 # Byte shuffle pays off where exponent bytes repeat: 16- and 32-bit floats.
 _SHUFFLE = (torch.float16, torch.bfloat16, torch.float32)

@@ -22,9 +22,16 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BeforeValidator,
+    ByteSize,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -56,6 +63,20 @@ _SIZE_FORM = "a size such as '4GiB', '512MB' or a whole number of bytes"
 _toml_override: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "tierstore_toml_override", default=None
 )
+
+
+def _size_input(value: Any) -> Any:
+    # ByteSize would take True as 1 byte and say of -1 only that it cannot
+    # parse it; both deserve a plainer answer.
+    if isinstance(value, bool):
+        raise ValueError("a bool is not a size")
+    if isinstance(value, int | float) and value < 0:
+        raise ValueError("a size cannot be negative")
+    return value
+
+
+#: Bytes, given as an int or a string with a unit ("4GiB", "512MB").
+Size = Annotated[ByteSize, BeforeValidator(_size_input)]
 
 
 def human_bytes(n: int) -> str:
@@ -96,15 +117,15 @@ class TierConfig(BaseSettings):
         case_sensitive=False,
     )
 
-    device_budget: ByteSize = Field(
+    device_budget: Size = Field(
         default=ByteSize(0),
         description="Bytes of saved tensors left on the compute device (the newest ones).",
     )
-    host_budget: ByteSize = Field(
+    host_budget: Size = Field(
         default=ByteSize(8 << 30),
         description="Bytes of saved tensors held in host memory (pinned when CUDA is present).",
     )
-    disk_budget: ByteSize = Field(
+    disk_budget: Size = Field(
         default=ByteSize(32 << 30),
         description="Bytes of saved tensors on local disk; the file backend preallocates this.",
     )
@@ -115,13 +136,20 @@ class TierConfig(BaseSettings):
     disk_backend: Literal["file", "lmdb"] = Field(
         default="file", description="How bytes rest on disk: one preallocated file, or LMDB."
     )
-    min_offload_bytes: ByteSize = Field(
+    min_offload_bytes: Size = Field(
         default=ByteSize(64 << 10),
         description="Saved tensors smaller than this stay on the device.",
     )
-    prefetch_bytes: ByteSize = Field(
+    prefetch_bytes: Size = Field(
         default=ByteSize(256 << 20),
-        description="Bytes backward may have in flight from lower tiers ahead of use.",
+        description="Bytes backward may read ahead of use from lower tiers.",
+    )
+    write_queue_bytes: Size = Field(
+        default=ByteSize(256 << 20),
+        description="Bytes of disk writes queued behind forward; past it, pack waits.",
+    )
+    io_workers: int = Field(
+        default=4, ge=1, le=64, description="Disk reads and writes in flight at once."
     )
     compression: Literal["none", "zstd"] = Field(
         default="none", description="Compression of disk entries (zstd with byte shuffle)."
@@ -129,6 +157,14 @@ class TierConfig(BaseSettings):
     compression_level: int = Field(
         default=1, ge=1, le=22, description="zstd level when compression='zstd'."
     )
+
+    @field_validator("disk_path", mode="before")
+    @classmethod
+    def _non_empty_disk_path(cls, value: Any) -> Any:
+        # Path("") is the working directory: never what an empty setting meant.
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("an empty path")
+        return value
 
     @field_validator("disk_path")
     @classmethod
@@ -198,6 +234,11 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         (2147483648, 'lmdb')
     """
     if path is not None:
+        if not isinstance(path, str | os.PathLike):
+            raise ConfigError(
+                f"tierstore: load_config(path={path!r}) takes the path of a TOML file; "
+                f"got {type(path).__name__}"
+            )
         toml = Path(path)
         if not toml.is_file():
             raise ConfigError(
@@ -365,7 +406,7 @@ def _unknown(key: str, source: str, *, env: bool = False) -> str:
     hint = ""
     if close:
         hint = f"; did you mean {ENV_PREFIX + close[0].upper() if env else close[0]}?"
-    return f"tierstore: unknown setting in {source}{hint} Known settings: {', '.join(known)}"
+    return f"tierstore: unknown setting in {source}{hint or '.'} Known settings: {', '.join(known)}"
 
 
 def _explain(exc: ValidationError, arguments: Mapping[str, Any]) -> str:
