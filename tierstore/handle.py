@@ -40,7 +40,17 @@ class Handle:
         (2, 3)
     """
 
-    __slots__ = ("__weakref__", "_source", "device", "dtype", "key", "shape", "stride", "version")
+    __slots__ = (
+        "__weakref__",
+        "_base",
+        "_source",
+        "device",
+        "dtype",
+        "key",
+        "shape",
+        "stride",
+        "version",
+    )
 
     def __init__(self, key: int, t: torch.Tensor) -> None:
         self.key = key
@@ -53,10 +63,17 @@ class Handle:
         # While anyone else keeps it alive, it can be modified in place, and
         # that is what the version check at unpack must see.
         self._source = weakref.ref(t)
+        # A view shares its base's version counter, and the base may outlive it.
+        base = t._base
+        self._base = weakref.ref(base) if base is not None else None
 
     def source(self) -> torch.Tensor | None:
         """The tensor that was saved, if something still keeps it alive."""
         return self._source()
+
+    def sources(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The saved tensor and, for a view, its base: whichever are still alive."""
+        return self._source(), self._base() if self._base is not None else None
 
     def __repr__(self) -> str:
         return (

@@ -31,7 +31,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from tierstore.config import TierConfig, load_config
-from tierstore.errors import TierstoreError
+from tierstore.errors import ConfigError, TierstoreError
 from tierstore.handle import Handle
 from tierstore.stats import Stats
 from tierstore.store import TierManager, resting_nbytes
@@ -133,18 +133,36 @@ class _Kept:
         self.version = version
 
 
-def _stays(t: torch.Tensor, min_bytes: int) -> bool:
-    """Whether ``t`` is left on the device (NOTE [ What stays on the device ])."""
-    if type(t) is not torch.Tensor or t.layout is not torch.strided:
-        return True
+def _offload_nbytes(t: torch.Tensor, min_bytes: int) -> int | None:
+    """Bytes ``t`` rests in once offloaded, or ``None`` if it stays on the device.
+
+    See NOTE [ What stays on the device ].
+    """
+    if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_nested:
+        return None
+    if t._is_zerotensor():  # no storage to copy
+        return None
     if t.device.type == "meta" or t.is_conj() or t.is_neg() or t.is_quantized:
-        return True
-    if resting_nbytes(t) < min_bytes:
-        return True
+        return None
+    nbytes = resting_nbytes(t)
+    if nbytes < min_bytes:
+        return None
     base = t._base
     if base is not None and isinstance(base, torch.nn.Parameter):
-        return True
-    return t.grad_fn is None and t.untyped_storage() in _buffers.storages
+        return None
+    if t.grad_fn is None and t.untyped_storage() in _buffers.storages:
+        return None
+    return nbytes
+
+
+def _checked(config: object, where: str) -> TierConfig | None:
+    if config is None or isinstance(config, TierConfig):
+        return config
+    raise ConfigError(
+        f"tierstore: {where} takes a TierConfig; got {type(config).__name__}. "
+        "Build one with tierstore.TierConfig(**settings), or pass settings as keywords "
+        "to tierstore.offload(...)"
+    )
 
 
 class TierStore:
@@ -176,7 +194,7 @@ class TierStore:
     """
 
     def __init__(self, config: TierConfig | None = None) -> None:
-        self.config = config if config is not None else load_config()
+        self.config = _checked(config, "TierStore(config=...)") or load_config()
         self._manager = TierManager(self.config)
         self._min_bytes = int(self.config.min_offload_bytes)
 
@@ -220,13 +238,57 @@ class TierStore:
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` has been called."""
+        """Whether :meth:`close` has been called.
+
+        Example:
+            >>> import tierstore
+            >>> with tierstore.TierStore(tierstore.TierConfig(disk_budget=0)) as store:
+            ...     store.closed
+            False
+            >>> store.closed
+            True
+        """
         return self._manager.closed
 
     @property
     def disk_directory(self) -> str | None:
-        """The private spill directory, once something has been written to disk."""
+        """The private spill directory, once something has been written to disk.
+
+        Example:
+            >>> import tempfile, torch, tierstore
+            >>> cfg = tierstore.TierConfig(device_budget=0, host_budget=0, disk_budget="1MiB",
+            ...                            disk_path=tempfile.mkdtemp(), min_offload_bytes=0)
+            >>> with tierstore.TierStore(cfg) as store:
+            ...     print(store.disk_directory)
+            ...     x = torch.ones(8, requires_grad=True)
+            ...     with store.offload():
+            ...         y = x.exp()
+            ...     print(store.disk_directory.startswith(str(cfg.disk_path)))
+            None
+            True
+        """
         return self._manager.disk_directory
+
+    def flush(self) -> None:
+        """Wait until every saved tensor queued for disk has been written.
+
+        Forward never waits for the disk (writes run behind it, up to
+        ``write_queue_bytes``); call this before measuring disk usage, say.
+        Raises the error of a write that failed.
+
+        Example:
+            >>> import tempfile, torch, tierstore
+            >>> cfg = tierstore.TierConfig(device_budget=0, host_budget=0, disk_budget="1MiB",
+            ...                            disk_path=tempfile.mkdtemp(), min_offload_bytes=0)
+            >>> with tierstore.TierStore(cfg) as store:
+            ...     x = torch.ones(1000, requires_grad=True)
+            ...     with store.offload():
+            ...         y = x.exp()
+            ...     store.flush()
+            ...     store.stats().tiers["disk"].bytes
+            8192
+        """
+        self._manager.flush()
 
     def close(self) -> None:
         """Free every entry and remove the spill directory. Idempotent.
@@ -260,10 +322,11 @@ class TierStore:
     # -- hooks ---------------------------------------------------------------
 
     def _pack(self, t: torch.Tensor) -> Handle | _Kept:
-        if _keep_depth() or _stays(t, self._min_bytes):
+        nbytes = None if _keep_depth() else _offload_nbytes(t, self._min_bytes)
+        if nbytes is None:
             self._manager.count_kept(t.numel() * t.element_size())
             return _Kept(t.detach(), t._version)
-        return self._manager.put(t)
+        return self._manager.put(t, nbytes)
 
     def _unpack(self, packed: Handle | _Kept) -> torch.Tensor:
         if type(packed) is _Kept:
@@ -331,6 +394,7 @@ def offload(config: TierConfig | None = None, **overrides: Any) -> Iterator[Tier
         >>> store.stats().tiers["host"].bytes
         0
     """
+    config = _checked(config, "tierstore.offload(config=...)")
     if config is None:
         config = load_config(**overrides)
     elif overrides:

@@ -55,6 +55,13 @@ class Stats:
         kept: saves left on the device as they were (parameters, small
             tensors, ``tierstore.keep()``, ...).
         kept_bytes: bytes of those kept saves.
+        prefetch_hits: disk entries backward found read ahead (or still in
+            memory, their write not yet done).
+        prefetch_misses: disk entries backward had to read on demand.
+        bytes_prefetched: disk bytes read ahead of use.
+        unpack_wait_s: seconds backward waited for disk reads.
+        pack_wait_s: seconds forward waited for the write queue
+            (``write_queue_bytes``) to drain.
 
     Example:
         >>> import torch, tierstore
@@ -73,6 +80,17 @@ class Stats:
     deduplicated: int
     kept: int
     kept_bytes: int
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    bytes_prefetched: int = 0
+    unpack_wait_s: float = 0.0
+    pack_wait_s: float = 0.0
+
+    @property
+    def prefetch_hit_rate(self) -> float | None:
+        """Hits over disk unpacks, or ``None`` before backward has read from disk."""
+        total = self.prefetch_hits + self.prefetch_misses
+        return self.prefetch_hits / total if total else None
 
     def __str__(self) -> str:
         rows = [
@@ -84,5 +102,12 @@ class Stats:
         rows.append(
             f"packed {self.packed}, deduplicated {self.deduplicated}, "
             f"kept {self.kept} ({human_bytes(self.kept_bytes)})"
+        )
+        rate = self.prefetch_hit_rate
+        rows.append(
+            f"prefetch {self.prefetch_hits} hits, {self.prefetch_misses} misses"
+            + (f" ({rate:.0%})" if rate is not None else "")
+            + f", waited {self.unpack_wait_s:.3f} s in backward"
+            + f", {self.pack_wait_s:.3f} s in forward"
         )
         return "\n".join(rows)

@@ -22,14 +22,17 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import heapq
 import itertools
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +41,7 @@ from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.errors import StoreClosedError, TierFullError, TierstoreError
 from tierstore.handle import Handle
 from tierstore.pipeline import Pipeline, Record
+from tierstore.schedule import Schedule
 from tierstore.stats import TIERS, Stats, Tier, TierStats
 
 __all__ = ["TierManager", "resting_nbytes"]
@@ -49,6 +53,41 @@ __all__ = ["TierManager", "resting_nbytes"]
 # newest in the fastest tier is Belady's optimal eviction for a known future.
 # An entry moves only after it has landed below: if the disk refuses it, it
 # stays where it was and the save that needed the room raises TierFullError.
+
+# NOTE [ Write-behind ]
+# Pack never waits for the disk. An entry demoted to disk first reserves the
+# most disk it can take (Pipeline.footprint_bound) and is queued; it keeps its
+# in-memory span until the write ends, and an unpack in the meantime is served
+# from that span. The write's done-callback, on the I/O thread, only sets
+# entry.record and then drops entry.tensor (in that order, so a reader that
+# finds no tensor finds the record); everything else (the real footprint,
+# releasing an entry that died while being written, failures) is settled by
+# _harvest under the lock at the next call. Backpressure: while more than
+# write_queue_bytes are queued, put() waits, with the lock released, for the
+# oldest write; the wait is counted in stats().pack_wait_s. A failed write
+# loses nothing: the entry stays in host memory, and the error is raised by
+# the next put() or get() with the original as __cause__.
+
+# NOTE [ Prefetch ]
+# Backward asks for entries in the order the Schedule predicts (recorded from
+# the last step, else reverse pack order). Each get() tops up a window of
+# reads in flight, at most prefetch_bytes, and then waits, outside the lock,
+# only for the entry it needs. A read of an entry whose write is still under
+# way is chained after that write. An entry found in the window, still in
+# memory, or already read for another handle is a hit; one that must be read
+# on demand is a miss. The first unpack of a backward whose entries are all
+# on disk is always a miss: nothing says when forward has ended.
+
+# NOTE [ Version check ]
+# Eager autograd raises at backward if a saved tensor was modified in place.
+# An entry checks the version counter of (a) the tensor that was saved and
+# its base, through weak references: while anything keeps them alive they
+# can be modified; and (b) its own probe, an alias it holds while its bytes
+# are the caller's memory. When the bytes are copied (to disk, or off the
+# device), a probe whose version moved marks the entry stale: the copy holds
+# modified values, and get() raises as eager would. Not seen: a modification
+# through a detach()ed alias once both the saved tensor and our alias are
+# gone, since nothing shares a version counter without sharing the memory.
 
 # NOTE [ Deferred release ]
 # A Handle's finalizer can run at any moment: in another thread, or in this
@@ -83,6 +122,7 @@ class _Entry:
         "dedupe_key",
         "device",
         "footprint",
+        "held",
         "key",
         "layout",
         "loaded",
@@ -90,8 +130,11 @@ class _Entry:
         "probe",
         "record",
         "refs",
+        "stale",
         "tensor",
         "tier",
+        "version",
+        "writing",
     )
 
     def __init__(self, key: int, t: torch.Tensor, nbytes: int) -> None:
@@ -105,12 +148,28 @@ class _Entry:
         self.layout: codec.Layout | None = None
         self.record: Record | None = None
         self.footprint = 0
-        # A tensor sharing the saved tensor's version counter, kept only while
-        # our bytes alias the caller's memory (see TierManager.get).
+        # NOTE [ Version check ]: a tensor sharing the saved tensor's version
+        # counter, kept while our bytes alias the caller's memory; when we
+        # copy them, a version other than the one at pack marks the entry
+        # stale, since the copy then holds the modified values.
         self.probe: torch.Tensor | None = t
+        self.version = t._version
+        self.stale: int | None = None
+        # The last tensor read from disk: weakly, or strongly while other
+        # handles of a deduplicated entry still need it (as eager autograd
+        # keeps one saved tensor for every node that saved it).
         self.loaded: weakref.ref[torch.Tensor] | None = None
+        self.held: torch.Tensor | None = None
         self.dedupe_key: tuple[object, ...] | None = None
+        self.writing: concurrent.futures.Future[Record] | None = None
         self.refs = 1
+
+    def let_go_of_original(self) -> None:
+        """Drop the probe once our bytes are a copy (NOTE [ Version check ])."""
+        probe = self.probe
+        if probe is not None and probe._version != self.version and self.stale is None:
+            self.stale = probe._version
+        self.probe = None
 
     def span(self) -> tuple[torch.Tensor, codec.Layout]:
         assert self.tensor is not None
@@ -189,10 +248,24 @@ class TierManager:
         self._dedupe: dict[tuple[object, ...], tuple[weakref.ref[object], int]] = {}
         self._keys = itertools.count()
         self._pipeline = Pipeline(config)
+        # Stops the I/O threads even if the store is dropped without close().
+        self._finalizer = weakref.finalize(self, Pipeline.close, self._pipeline)
+        self._schedule = Schedule()
+        self._writing: dict[int, _Entry] = {}  # NOTE [ Write-behind ]
+        self._queued_bytes = 0
+        self._failure: BaseException | None = None
+        self._window: dict[int, tuple[concurrent.futures.Future[torch.Tensor], int]] = {}
+        self._window_bytes = 0
+        self._demand: dict[int, concurrent.futures.Future[torch.Tensor]] = {}
         self._packed = 0
         self._deduplicated = 0
         self._kept = 0
         self._kept_bytes = 0
+        self._hits = 0
+        self._misses = 0
+        self._prefetched_bytes = 0
+        self._unpack_wait = 0.0
+        self._pack_wait = 0.0
         self._closed = False
 
     # -- public --------------------------------------------------------------
@@ -210,10 +283,14 @@ class TierManager:
                 "only after the last backward that needs its saved tensors"
             )
 
-    def put(self, t: torch.Tensor) -> Handle:
-        """Store ``t`` and return a handle; the entry lives as long as a handle does."""
+    def put(self, t: torch.Tensor, nbytes: int | None = None) -> Handle:
+        """Store ``t`` and return a handle; the entry lives as long as a handle does.
+
+        ``nbytes`` is ``resting_nbytes(t)`` when the caller has it already.
+        """
         with self._locked():
             self.check_open()
+            self._raise_failure()
             self._packed += 1
             storage = t.untyped_storage()
             dedupe_key = (
@@ -233,9 +310,12 @@ class TierManager:
                 entry.refs += 1
                 self._deduplicated += 1
                 return self._handle(entry, t)
-            entry = _Entry(next(self._keys), t.detach(), resting_nbytes(t))
+            self._wait_for_queue()
+            size = resting_nbytes(t) if nbytes is None else nbytes
+            entry = _Entry(next(self._keys), t.detach(), size)
             self._land(entry, 0)
             self._entries[entry.key] = entry
+            self._schedule.packed(entry.key, (dedupe_key[2], t.dtype))
             with contextlib.suppress(TypeError):  # storages that refuse weak references
                 self._dedupe[dedupe_key] = (weakref.ref(storage), entry.key)
                 entry.dedupe_key = dedupe_key
@@ -246,44 +326,79 @@ class TierManager:
 
         Raises:
             TierstoreError: the saved tensor was modified in place after it was
-                stored (the error eager autograd raises in that case).
+                stored (the error eager autograd raises in that case), or a
+                background write failed (its error is the ``__cause__``).
             StoreClosedError: the store was closed.
         """
         with self._locked():
             self.check_open()
+            self._raise_failure()
             entry = self._entries[handle.key]
-            for probe in (entry.probe, handle.source()):
-                if probe is not None and probe._version != handle.version:
+            aliases = (entry.probe, *handle.sources())
+            versions = [entry.stale, *(a._version for a in aliases if a is not None)]
+            for version in versions:
+                if version is not None and version != handle.version:
                     raise TierstoreError(
                         "tierstore: one of the variables needed for gradient computation has "
                         "been modified by an inplace operation: a saved tensor of shape "
                         f"{list(handle.shape)} and dtype {handle.dtype} is at version "
-                        f"{probe._version}; expected version {handle.version} instead. "
+                        f"{version}; expected version {handle.version} instead. "
                         "Hint: clone the tensor before modifying it in place, or "
                         "modify it before it is saved"
                     )
+            self._schedule.unpacked(entry.key)
             tier = entry.tier
             if tier == "device":
                 assert entry.tensor is not None
                 return entry.tensor
-            state = self._tiers[tier] if tier is not None else None
             if tier == "host":
                 span, layout = entry.span()
-                if state is not None:
-                    state.read += entry.nbytes
+                self._tiers["host"].read += entry.nbytes
                 return codec.from_span(self._pipeline.to_device(span, entry.device), layout)
-            # Disk. Several handles of one entry (a tensor saved by several ops)
-            # share the tensor read first, while it is alive.
-            cached = entry.loaded() if entry.loaded is not None else None
-            if cached is not None:
-                return cached
-            assert entry.record is not None and entry.layout is not None
-            span = self._pipeline.read(entry.key, entry.record)
-            if state is not None:
-                state.read += entry.footprint
-            out = codec.from_span(self._pipeline.to_device(span, entry.device), entry.layout)
+            # Disk: NOTE [ Prefetch ].
+            cached = entry.held
+            if cached is None and entry.loaded is not None:
+                cached = entry.loaded()
+            in_memory = entry.tensor  # still being written: NOTE [ Write-behind ]
+            assert entry.layout is not None
+            layout = entry.layout
+            ahead = self._window.pop(entry.key, None)
+            if ahead is not None:
+                self._window_bytes -= ahead[1]
+            if cached is not None or in_memory is not None:
+                if ahead is not None:
+                    ahead[0].cancel()  # a read has no side effect: dropping it is safe
+                self._hits += 1
+                self._top_up_window()
+                if cached is not None:
+                    return cached
+                assert in_memory is not None
+                return codec.from_span(self._pipeline.to_device(in_memory, entry.device), layout)
+            if ahead is not None:
+                self._hits += 1
+                future = ahead[0]
+            else:
+                self._misses += 1
+                source = entry.record if entry.record is not None else entry.writing
+                assert source is not None
+                future = self._pipeline.submit_read(entry.key, source)
+                self._demand[entry.key] = future
+            self._tiers["disk"].read += entry.footprint
+            self._top_up_window()
+        start = time.perf_counter()
+        try:
+            span = future.result()  # outside the lock: NOTE [ Movers ]
+        finally:
+            waited = time.perf_counter() - start
+            with self._lock:
+                self._unpack_wait += waited
+                self._demand.pop(entry.key, None)
+        out = codec.from_span(self._pipeline.to_device(span, entry.device), layout)
+        if entry.refs > 1:
+            entry.held = out
+        else:
             entry.loaded = weakref.ref(out)
-            return out
+        return out
 
     def count_kept(self, nbytes: int) -> None:
         """Count a saved tensor the caller left on the device."""
@@ -293,9 +408,16 @@ class TierManager:
             self._kept_bytes += nbytes
 
     def stats(self) -> Stats:
-        """A snapshot of the counters; see :class:`~tierstore.stats.Stats`."""
+        """A snapshot of the counters; see :class:`~tierstore.stats.Stats`.
+
+        Writes of entries already released are waited for first, so that what
+        backward freed shows as freed. A live entry whose write is still
+        queued counts its reservation (an upper bound) in the disk bytes;
+        :meth:`flush` settles those too.
+        """
         with self._locked():
             self.check_open()
+            self._wait_for([e.writing for k, e in self._writing.items() if k not in self._entries])
             return Stats(
                 tiers={
                     name: TierStats(
@@ -311,7 +433,18 @@ class TierManager:
                 deduplicated=self._deduplicated,
                 kept=self._kept,
                 kept_bytes=self._kept_bytes,
+                prefetch_hits=self._hits,
+                prefetch_misses=self._misses,
+                bytes_prefetched=self._prefetched_bytes,
+                unpack_wait_s=self._unpack_wait,
+                pack_wait_s=self._pack_wait,
             )
+
+    def flush(self) -> None:
+        """Wait until every queued disk write has ended (and raise if one failed)."""
+        with self._locked():
+            self._wait_for([e.writing for e in self._writing.values()])
+            self._raise_failure()
 
     @property
     def disk_directory(self) -> str | None:
@@ -320,19 +453,31 @@ class TierManager:
         return str(backend.directory) if backend is not None else None
 
     def close(self) -> None:
-        """Drop every entry, close the disk backend, remove the spill directory. Idempotent."""
+        """Drop every entry, stop the I/O, remove the spill directory. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            futures: list[concurrent.futures.Future[Any]] = [
+                e.writing for e in self._writing.values() if e.writing is not None
+            ]
+            futures += [f for f, _ in self._window.values()]
+            futures += list(self._demand.values())
+        # Requests under way end first (their callbacks take no lock); then the
+        # threads stop and the backend and its directory go.
+        concurrent.futures.wait(futures)
+        with self._lock:
             self._entries.clear()
             self._dedupe.clear()
             self._pending.clear()
+            self._writing.clear()
+            self._window.clear()
+            self._demand.clear()
             for state in self._tiers.values():
                 state.entries.clear()
                 state.heap.clear()
                 state.bytes = 0
-            self._pipeline.close()
+        self._finalizer()
 
     # -- placement (NOTE [ Placement ]) -----------------------------------------
 
@@ -366,7 +511,7 @@ class TierManager:
             span, layout = entry.span()
             host = self._pipeline.to_host(span)
             if host.untyped_storage().data_ptr() != span.untyped_storage().data_ptr():
-                entry.probe = None  # a copy: later changes to the original cannot reach it
+                entry.let_go_of_original()  # a copy: later changes cannot reach it
             entry.tensor, entry.layout = host, layout
         entry.tier = tier
         self._tiers[tier].add(entry, entry.nbytes)
@@ -374,20 +519,119 @@ class TierManager:
     def _write_disk(self, entry: _Entry) -> None:
         state = self._tiers["disk"]
         span, layout = entry.span()
-        frame = self._pipeline.encode(span)
-        footprint = self._pipeline.footprint(frame)
-        if state.bytes + footprint > state.budget:
+        reserve = self._pipeline.footprint_bound(entry.nbytes)
+        if state.bytes + reserve > state.budget and self._writing:
+            # Writes in flight hold reservations, and dead entries' writes hold
+            # space they will give back: settle them before calling it full.
+            # The lock stays held (we are mid-placement); write callbacks never
+            # take it, so this cannot deadlock.
+            concurrent.futures.wait([e.writing for e in self._writing.values() if e.writing])
+            self._harvest()
+        if state.bytes + reserve > state.budget:
             raise TierFullError(
                 f"tierstore: the disk tier is full: {human_bytes(state.bytes)} of "
                 f"disk_budget={human_bytes(state.budget)} in use, and a saved tensor of "
-                f"{human_bytes(entry.nbytes)} needs {human_bytes(footprint)} more; raise "
+                f"{human_bytes(entry.nbytes)} needs {human_bytes(reserve)} more; raise "
                 f"disk_budget ({ENV_PREFIX}DISK_BUDGET)"
             )
-        entry.record = self._pipeline.write(entry.key, frame)
-        entry.footprint = entry.record.footprint
-        entry.tensor, entry.layout, entry.probe = None, layout, None
+        host = self._pipeline.to_host(span)
+        entry.tensor, entry.layout = host, layout
         entry.tier = "disk"
-        state.add(entry, entry.footprint)
+        entry.footprint = reserve
+        state.add(entry, reserve)
+        self._writing[entry.key] = entry
+        self._queued_bytes += entry.nbytes
+
+        def written(future: concurrent.futures.Future[Record]) -> None:
+            # On the I/O thread, without the lock: assignments only.
+            if not future.cancelled() and future.exception() is None:
+                entry.record = future.result()
+                entry.let_go_of_original()
+                entry.tensor = None  # the memory goes now, not at the next call
+
+        entry.writing = self._pipeline.submit_write(entry.key, host, written)
+
+    def _wait_for_queue(self) -> None:
+        """Backpressure (NOTE [ Write-behind ]); called with the lock held."""
+        limit = int(self.config.write_queue_bytes)
+        while self._queued_bytes > limit:
+            self._pack_wait += self._wait_for([self._writing[min(self._writing)].writing])
+
+    def _wait_for(self, futures: list[concurrent.futures.Future[Record] | None]) -> float:
+        """Wait for writes with the lock released, then settle them; returns seconds waited."""
+        pending = [f for f in futures if f is not None and not f.done()]
+        start = time.perf_counter()
+        if pending:
+            self._lock.release()
+            try:
+                concurrent.futures.wait(pending)
+            finally:
+                self._lock.acquire()
+        self._harvest()
+        return time.perf_counter() - start
+
+    def _harvest(self) -> None:
+        """Settle finished writes (NOTE [ Write-behind ]); called with the lock held."""
+        disk = self._tiers["disk"]
+        for key in [k for k, e in self._writing.items() if e.writing and e.writing.done()]:
+            entry = self._writing.pop(key)
+            future, entry.writing = entry.writing, None
+            assert future is not None
+            self._queued_bytes -= entry.nbytes
+            error = None if future.cancelled() else future.exception()
+            alive = key in self._entries
+            if future.cancelled() or error is not None:
+                # Nothing reached the disk; the bytes are still in entry.tensor.
+                disk.remove(entry, entry.footprint)
+                entry.footprint = 0
+                if alive:
+                    entry.tier = "host"
+                    self._tiers["host"].add(entry, entry.nbytes)
+                if error is not None and self._failure is None:
+                    self._failure = error
+                continue
+            record = future.result()
+            disk.bytes += record.footprint - entry.footprint  # the reservation was a bound
+            disk.written += record.footprint - entry.footprint
+            entry.footprint = record.footprint
+            if not alive:  # released while it was being written
+                disk.remove(entry, entry.footprint)
+                self._pipeline.delete(key)
+
+    def _raise_failure(self) -> None:
+        error, self._failure = self._failure, None
+        if error is not None:
+            raise TierstoreError(
+                f"tierstore: a background write to the disk tier failed: {error}; the saved "
+                "tensors it held are still in host memory. Check the disk under disk_path "
+                f"({ENV_PREFIX}DISK_PATH) or give host_budget more room"
+            ) from error
+
+    def _top_up_window(self) -> None:
+        """Queue reads in schedule order up to prefetch_bytes (NOTE [ Prefetch ])."""
+        limit = int(self.config.prefetch_bytes)
+        while self._window_bytes < limit:
+            key = self._schedule.next_planned()
+            if key is None:
+                return
+            entry = self._entries.get(key)
+            if (
+                entry is None
+                or entry.tier != "disk"
+                or key in self._window
+                or key in self._demand
+                or entry.held is not None
+                or (entry.loaded is not None and entry.loaded() is not None)
+            ):
+                continue
+            # A write still under way: the read follows it (NOTE [ Prefetch ]).
+            source = entry.record if entry.record is not None else entry.writing
+            if source is None:
+                continue
+            future = self._pipeline.submit_read(key, source)
+            self._window[key] = (future, entry.nbytes)
+            self._window_bytes += entry.nbytes
+            self._prefetched_bytes += entry.footprint
 
     def _no_tier_error(self, entry: _Entry, start: int) -> TierFullError:
         budgets = ", ".join(
@@ -408,14 +652,15 @@ class TierManager:
         return handle
 
     def _release(self, key: int) -> None:
-        if not self._lock.acquire(blocking=False):
-            self._pending.append(key)
-            return
-        try:
-            self._release_locked(key)
-            self._drain()
-        finally:
-            self._lock.release()
+        # Queue first, then drain if the lock is free. Whoever holds the lock
+        # drains after its work and checks the queue again once it has let
+        # go, so a key queued at any moment is released at once by one side.
+        self._pending.append(key)
+        while self._pending and self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -424,13 +669,17 @@ class TierManager:
             yield
             self._drain()
         # A finalizer in another thread may have queued a key after the drain.
-        if self._pending and self._lock.acquire(blocking=False):
+        while self._pending and self._lock.acquire(blocking=False):
             try:
                 self._drain()
             finally:
                 self._lock.release()
 
     def _drain(self) -> None:
+        if self._closed:
+            self._pending.clear()
+            return
+        self._harvest()
         while self._pending:
             self._release_locked(self._pending.popleft())
 
@@ -444,10 +693,15 @@ class TierManager:
         del self._entries[key]
         if entry.dedupe_key is not None:
             self._dedupe.pop(entry.dedupe_key, None)
+        ahead = self._window.pop(key, None)
+        if ahead is not None:
+            self._window_bytes -= ahead[1]
         tier = entry.tier
+        if key in self._writing:
+            return  # _harvest frees it once the write has ended
         if tier is not None:
             state = self._tiers[tier]
             state.remove(entry, state.size_of(entry, tier))
             if tier == "disk":
                 self._pipeline.delete(key)
-        entry.tensor = entry.probe = None
+        entry.tensor = entry.probe = entry.held = None
