@@ -4,7 +4,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 # An unpinned torch pulls a multi-GB CUDA build; when the venv has no torch yet
 # we install the CPU build first, and pyproject.toml's floor (torch>=2.4) is
-# then already met.
+# then already met. The development machines carry that wheel on local disk;
+# elsewhere, point pip at PyTorch's CPU index, e.g.
+#   make test TORCH_CPU="torch --index-url https://download.pytorch.org/whl/cpu"
 TORCH_CPU ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
