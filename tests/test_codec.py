@@ -147,3 +147,19 @@ def test_byte_view_rejects_what_it_cannot_view() -> None:
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
         codec.byte_view(torch.randn(4, 4).t())
     assert len(codec.byte_view(torch.empty(0))) == 0
+
+
+def test_byte_view_keeps_its_tensor_alive() -> None:
+    import gc
+    import weakref
+
+    t = torch.arange(16, dtype=torch.int32)
+    alive = weakref.ref(t)
+    view = codec.byte_view(t)
+    del t
+    gc.collect()
+    assert alive() is not None  # an I/O thread holding the view holds the memory
+    assert bytes(view[:4]) == (0).to_bytes(4, "little")
+    del view
+    gc.collect()
+    assert alive() is None

@@ -241,7 +241,9 @@ class Frame:
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory, without a copy.
 
-    The view does not keep ``t`` alive: hold ``t`` while the view is in use.
+    The view keeps ``t`` alive: an I/O thread reading into it or writing from
+    it never touches freed memory, even if whoever asked for the I/O has
+    given up on it (a cancelled read, say).
 
     Example:
         >>> import torch
@@ -256,7 +258,9 @@ def byte_view(t: torch.Tensor) -> memoryview:
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+    window = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+    window._owner = t  # type: ignore[attr-defined]  # the memoryview holds window, window holds t
+    return memoryview(window).cast("B")
 
 
 def _header(meta: FrameMeta, st_dtype: str, st_shape: list[int]) -> bytes:
