@@ -103,9 +103,13 @@ def demo(args: argparse.Namespace) -> int:
         f"saved tensors: {packed} packed, {dedup} deduplicated, {kept} kept on the device "
         f"({human_bytes(kept_bytes)}: parameters and their views)"
     )
+    hits = after_backward.prefetch_hits - before.prefetch_hits
+    misses = after_backward.prefetch_misses - before.prefetch_misses
+    rate = hits / (hits + misses) if hits + misses else None
     print(
-        f"step time after one warm-up step: eager {eager_s:.2f} s, all on disk {offload_s:.2f} s "
-        "(synchronous I/O in this release)"
+        f"step time after one warm-up step: eager {eager_s:.2f} s, all on disk {offload_s:.2f} s; "
+        f"prefetch hit rate {'n/a' if rate is None else f'{rate:.0%}'}, "
+        f"backward waited {after_backward.unpack_wait_s - before.unpack_wait_s:.2f} s for reads"
     )
     print(f"max |grad diff| = {diff:g} ({'bitwise equal' if equal else 'NOT EQUAL'})")
     return 0 if equal else 1
