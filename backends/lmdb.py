@@ -96,7 +96,8 @@ class LmdbBackend(Backend[bytes]):
 
     The environment, ``entries.lmdb``, lives in a private spill directory
     under ``root``. It is opened without fsync (the data does not outlive the
-    process) and without readahead (reads are random). See
+    process), with the kernel's readahead (each record is one sequential run of
+    pages). See
     ``NOTE [ LMDB map size ]`` for how large its file may grow and
     ``NOTE [ LMDB threads ]`` for concurrency.
 
@@ -147,7 +148,11 @@ class LmdbBackend(Backend[bytes]):
                 subdir=True,
                 sync=False,
                 metasync=False,
-                readahead=False,
+                # Kept on: a record is one run of contiguous overflow pages, read
+                # front to back. Without readahead every 4 KiB page is its own
+                # disk fault once the page cache is cold: 0.07 GiB/s against
+                # 2.4 GiB/s with it, reading 16 MiB records on this machine.
+                readahead=True,
                 lock=True,
                 max_dbs=0,
                 meminit=False,
