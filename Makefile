@@ -15,11 +15,15 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_CPU)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,bench]'
 	touch $@
 
+# One training step with every activation on disk and the gradient check, then
+# short runs of both benchmarks (full size: see benchmarks/README.md).
 demo: $(STAMP)
 	$(BIN)/tierstore demo
+	$(BIN)/tierstore bench train --quick
+	$(BIN)/tierstore bench storage --total 256MiB --repeat 1
 
 test: lint typecheck pytest
 

@@ -1,4 +1,4 @@
-"""The ``tierstore`` command: ``demo`` and ``config``.
+"""The ``tierstore`` command: ``demo``, ``config`` and ``bench storage|train``.
 
 Example:
     >>> from tierstore.cli import main
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tierstore.bench.cli import add_bench_parser
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.config import TierConfig, describe_config, human_bytes
 from tierstore.errors import TierstoreError
@@ -149,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.set_defaults(run=demo)
     p = sub.add_parser("config", help="the resolved configuration and where each value came from")
     p.set_defaults(run=config)
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     try:
         code: int = args.run(args)

@@ -1,0 +1,1252 @@
+"""``tierstore bench train``: GPT training steps under each way of handling saved activations.
+
+Strategies, all training the same model from the same initial weights on
+the same tokens with the same dropout masks:
+
+* ``none``: eager autograd, everything saved stays in memory;
+* ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu`` (pinned when the
+  model runs on CUDA);
+* ``checkpoint``: ``torch.utils.checkpoint`` around every block
+  (``use_reentrant=False``; RNG state preserved, so dropout recomputes the
+  same masks);
+* ``disk-naive``: the pattern PyTorch's autograd docs show for saving to
+  disk: the pack hook ``torch.save``-s each tensor to its own file and
+  returns an object that deletes the file in ``__del__``; the unpack hook
+  ``torch.load(weights_only=True)``-s it;
+* ``tierstore-file``, ``tierstore-lmdb``: ``TierStore`` with
+  ``device_budget=0, host_budget=0``: every saved tensor of at least
+  ``--min-offload-bytes`` goes to disk.
+
+NOTE [ What bench train measures ]
+* Step time: forward, backward and an SGD update, wall clock (CUDA:
+  synchronized), median over the steps after the warm-up.
+* Peak activation memory. CUDA: ``max_memory_allocated`` above the memory
+  allocated before the step, in the measured steps. CPU: peak anonymous RSS
+  above the RSS before the step, sampled every ~1 ms by a thread
+  (``RssAnon``, read as resident minus shared pages of ``/proc/self/statm``:
+  the same kernel counters as ``/proc/self/status``, ten times cheaper to
+  read). RSS counts what the allocator holds, not what tensors use: glibc
+  serves tensors of up to 32 MiB from heaps that keep freed pages, so with
+  the default allocator RSS grows with allocation churn (measured on the
+  default model: 0.8-1.2 GiB still resident after a step whose tensors were
+  all freed, and a tierstore peak twice its live peak). Making every
+  allocation of 1 MiB or more its own mapping (glibc ``M_MMAP_THRESHOLD``)
+  makes RSS follow live memory, but costs page faults (measured: 1.5 s more
+  system time per tierstore step on the default model), which would skew
+  the step times, and only works from the start of a process (free chunks
+  already in the heap are reused and kept). So on CPU the benchmark runs in
+  two passes: pass 1, in this process on the default allocator, gives the
+  step times, gradients and tier statistics (its RSS peaks stay in the JSON
+  as ``peak_bytes_default_allocator``); pass 2, a fresh interpreter that sets
+  the threshold before torch allocates, runs a warm-up and one measured step
+  per strategy with the same model, tokens and settings, and its peaks and
+  timelines are the reported memory. Before every step the garbage
+  collector and ``malloc_trim(0)`` run (untimed). Gradients exist before the
+  step and are zeroed in place, so their memory is part of the baseline: the
+  figure is activations and backward's temporaries. File pages (the page
+  cache, LMDB's map) are not anonymous memory.
+* Gradient check: after the *last* step, the maximum absolute difference of
+  every parameter's gradient from the ``none`` run (bitwise equal means 0).
+  All strategies reseed torch identically before each step and start from
+  the same weights, so any difference in an earlier step would also show in
+  the last one through the updated weights.
+* Prefetch hit rate (tierstore): hits / (hits + misses) over the measured
+  steps, from ``store.stats()``; ``n/a`` where the store does not count them.
+
+Example:
+    >>> import tempfile
+    >>> from tierstore.bench.train import bench_train, quick_settings
+    >>> report = bench_train(quick_settings(steps=1, warmup=0, directory=tempfile.mkdtemp(),
+    ...                                     strategies=["none", "tierstore-file"],
+    ...                                     memory_pass=False),
+    ...                      show_progress=False)
+    >>> [(r.name, r.max_grad_diff) for r in report.rows]
+    [('none', 0.0), ('tierstore-file', 0.0)]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import ctypes
+import functools
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.checkpoint import checkpoint
+
+from tierstore.bench.gpt import GPT, GPTConfig
+from tierstore.bench.report import (
+    NA,
+    Progress,
+    command_line,
+    fmt_ratio,
+    format_table,
+    load_pyplot,
+    machine_info,
+    median,
+    write_json,
+)
+from tierstore.config import TierConfig, human_bytes
+from tierstore.errors import TierstoreError
+from tierstore.hooks import TierStore
+from tierstore.stats import TIERS, Stats
+
+__all__ = [
+    "STRATEGIES",
+    "StrategyResult",
+    "TrainReport",
+    "TrainSettings",
+    "add_arguments",
+    "bench_train",
+    "default_settings",
+    "format_train",
+    "plot_train",
+    "quick_settings",
+    "run",
+]
+
+#: Every strategy, in the order they run (``none`` first: the reference).
+STRATEGIES = (
+    "none",
+    "save_on_cpu",
+    "checkpoint",
+    "disk-naive",
+    "tierstore-file",
+    "tierstore-lmdb",
+)
+
+_MIB = 1 << 20
+#: Memory sampling period (NOTE [ What bench train measures ]).
+_SAMPLE_S = 0.001
+#: Tier-bytes sampling period: stats() takes the store's lock, so less often.
+_TIER_SAMPLE_S = 0.005
+#: Timeline points kept per strategy in the JSON (peaks kept when thinning).
+_TIMELINE_POINTS = 2000
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What ``bench train`` runs: the model, the steps, the strategies, where files go.
+
+    ``disk_budget_bytes=None`` sizes the tierstore disk tier from a counting
+    pass: 1.5 times the bytes the forward saves, plus 64 MiB.
+    ``memory_pass=False`` skips the CPU memory pass (NOTE [ What bench train
+    measures ]): memory is then the timed steps' RSS on the default allocator.
+
+    Example:
+        >>> default_settings().d_model, quick_settings().d_model
+        (512, 64)
+    """
+
+    layers: int = 6
+    d_model: int = 512
+    heads: int = 8
+    seq: int = 512
+    batch: int = 8
+    vocab: int = 512
+    dropout: float = 0.1
+    steps: int = 4
+    warmup: int = 1
+    strategies: tuple[str, ...] = STRATEGIES
+    directory: str | None = None
+    device: str = "cpu"
+    seed: int = 0
+    lr: float = 1e-3
+    min_offload_bytes: int = 0
+    compression: str = "none"
+    disk_budget_bytes: int | None = None
+    memory_pass: bool = True
+
+
+def default_settings(**changes: Any) -> TrainSettings:
+    """The issue's target size: 6 blocks, d_model 512, seq 512, batch 8 (~1.3 GiB saved, fp32).
+
+    Example:
+        >>> default_settings(steps=2).steps
+        2
+    """
+    return replace(TrainSettings(), **changes)
+
+
+def quick_settings(**changes: Any) -> TrainSettings:
+    """A tiny model that runs every strategy in a few seconds (``--quick``, tests, demo).
+
+    Example:
+        >>> quick_settings().layers
+        2
+    """
+    tiny = TrainSettings(layers=2, d_model=64, heads=2, seq=64, batch=4, vocab=128)
+    return replace(tiny, **changes)
+
+
+@dataclass
+class StrategyResult:
+    """One strategy's measurements; see ``NOTE [ What bench train measures ]``.
+
+    Ratios are ``None`` where the reference strategy did not run.
+
+    Example:
+        >>> StrategyResult("none").max_grad_diff is None
+        True
+    """
+
+    name: str
+    warmup_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    peak_bytes: list[int] = field(default_factory=list)
+    peak_bytes_default_allocator: list[int] = field(default_factory=list)
+    memory_step_s: float | None = None
+    median_step_s: float = 0.0
+    peak_activation_bytes: int = 0
+    step_vs_none: float | None = None
+    step_vs_naive: float | None = None
+    memory_vs_none: float | None = None
+    memory_vs_naive: float | None = None
+    max_grad_diff: float | None = None
+    grads_bitwise_equal: bool | None = None
+    tiers: dict[str, dict[str, float]] | None = None
+    prefetch: dict[str, float | None] | None = None
+    config: dict[str, Any] | None = None
+    timeline: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainReport:
+    """What :func:`bench_train` measured.
+
+    Example:
+        >>> TrainReport(rows=[], settings={}, model={}, targets=[]).row("none") is None
+        True
+    """
+
+    rows: list[StrategyResult]
+    settings: dict[str, Any]
+    model: dict[str, Any]
+    targets: list[dict[str, Any]]
+
+    def row(self, name: str) -> StrategyResult | None:
+        """The result of strategy ``name``, if it ran."""
+        return next((r for r in self.rows if r.name == name), None)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data for JSON."""
+        return {
+            "settings": self.settings,
+            "model": self.model,
+            "rows": [asdict(r) for r in self.rows],
+            "targets": self.targets,
+        }
+
+
+# -- memory (NOTE [ What bench train measures ]) --------------------------------
+
+
+class _AnonRss:
+    """Anonymous resident bytes of this process, from ``/proc/self/statm``."""
+
+    def __init__(self) -> None:
+        self._fd = os.open("/proc/self/statm", os.O_RDONLY)
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def __call__(self) -> int:
+        fields = os.pread(self._fd, 256, 0).split()
+        return (int(fields[1]) - int(fields[2])) * self._page
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+@functools.cache
+def _libc() -> Any:
+    return ctypes.CDLL(None)
+
+
+#: glibc's mallopt parameter number for M_MMAP_THRESHOLD (malloc.h).
+_M_MMAP_THRESHOLD = -3
+#: Allocations from this size up get their own mapping (NOTE [ What bench train measures ]).
+_MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def _follow_live_memory() -> bool:
+    """Give every allocation of 1 MiB or more its own mapping; ``False`` where not glibc.
+
+    Call first thing in a fresh process: free chunks already in the heap
+    would still be reused (and kept) after it.
+    """
+    mallopt = getattr(_libc(), "mallopt", None)
+    return mallopt is not None and mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES) == 1
+
+
+def _release_free_memory(*, full: bool) -> None:
+    # A full collection takes ~0.1 s once torch is imported: once per
+    # strategy; the young generations (where a step's garbage is) every step.
+    gc.collect() if full else gc.collect(1)
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+class _Sampler:
+    """Calls ``read`` every ``period_s`` on a thread, keeping ``(seconds, value)`` pairs."""
+
+    def __init__(self, read: Callable[[], Any], period_s: float) -> None:
+        self._read = read
+        self._period = period_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.samples: list[tuple[float, Any]] = []
+        self._start = 0.0
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self.samples = []
+        self._stop.clear()
+        self._start = time.perf_counter()
+        self._thread = threading.Thread(target=self._loop, name="tierstore-bench-sampler")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                self.samples.append((time.perf_counter() - self._start, self._read()))
+                if self._stop.wait(self._period):
+                    break
+        except BaseException as exc:  # reported by stop(): a silent sampler would lie
+            self.error = exc
+
+    def stop(self) -> list[tuple[float, Any]]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.error is not None:
+            raise TierstoreError(f"tierstore: bench train: memory sampler failed: {self.error}")
+        # One last sample after the step, so that a short step has two.
+        self.samples.append((time.perf_counter() - self._start, self._read()))
+        return self.samples
+
+
+def _thin(samples: list[tuple[float, Any]], key: Callable[[Any], float]) -> list[tuple[float, Any]]:
+    # At most _TIMELINE_POINTS, keeping the largest sample of each bucket:
+    # a timeline must not lose its peak.
+    if len(samples) <= _TIMELINE_POINTS:
+        return samples
+    size = -(-len(samples) // _TIMELINE_POINTS)
+    return [
+        max(samples[i : i + size], key=lambda s: key(s[1])) for i in range(0, len(samples), size)
+    ]
+
+
+# -- strategies -------------------------------------------------------------------
+
+
+class _Strategy:
+    """How one strategy runs a forward pass; the default is plain eager autograd."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def forward(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def stats(self) -> Stats | None:
+        return None
+
+    def after_step(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _SaveOnCpu(_Strategy):
+    def __init__(self, name: str, device: torch.device) -> None:
+        super().__init__(name)
+        # Pinned staging only pays for copies from a GPU; on a CPU model the
+        # saved tensors already are CPU tensors.
+        self._pin = device.type == "cuda"
+
+    def forward(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.autograd.graph.save_on_cpu(pin_memory=self._pin)
+
+
+class _Checkpoint(_Strategy):
+    """``torch.utils.checkpoint`` around every block, without changing the model's code."""
+
+    def __init__(self, name: str, model: GPT) -> None:
+        super().__init__(name)
+        self._model = model
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        # An instance attribute ``forward`` shadows the class's, so model.loss
+        # (the same code every strategy runs) calls the blocks checkpointed.
+        # Only during forward: the recomputation in backward calls the bound
+        # original captured here.
+        for block in self._model.blocks:
+            original = block.forward
+
+            def wrapped(x: torch.Tensor, _f: Callable[..., Any] = original) -> Any:
+                return checkpoint(_f, x, use_reentrant=False)
+
+            block.__dict__["forward"] = wrapped
+        try:
+            yield
+        finally:
+            for block in self._model.blocks:
+                block.__dict__.pop("forward", None)
+
+
+class _SelfDeletingTempFile:
+    """PyTorch's autograd docs example, as users copy it (see ``_NaiveDisk``)."""
+
+    def __init__(self, directory: str) -> None:
+        self.name = os.path.join(directory, str(uuid.uuid4()))
+
+    def __del__(self) -> None:
+        os.remove(self.name)
+
+
+class _NaiveDisk(_Strategy):
+    """Pack: ``torch.save`` to a file of its own; unpack: ``torch.load(weights_only=True)``."""
+
+    def __init__(self, name: str, root: Path) -> None:
+        super().__init__(name)
+        self._dir = tempfile.mkdtemp(prefix="tierstore-bench-naive-", dir=root)
+
+    def _pack(self, tensor: torch.Tensor) -> _SelfDeletingTempFile:
+        temp_file = _SelfDeletingTempFile(self._dir)
+        torch.save(tensor, temp_file.name)
+        return temp_file
+
+    def _unpack(self, temp_file: _SelfDeletingTempFile) -> torch.Tensor:
+        out: torch.Tensor = torch.load(temp_file.name, weights_only=True)
+        return out
+
+    def forward(self) -> contextlib.AbstractContextManager[Any]:
+        return saved_tensors_hooks(self._pack, self._unpack)
+
+    def after_step(self) -> None:
+        left = os.listdir(self._dir)
+        if left:
+            raise TierstoreError(
+                f"tierstore: bench train: disk-naive left {len(left)} files in {self._dir} "
+                "after backward"
+            )
+
+    def close(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _Tierstore(_Strategy):
+    def __init__(self, name: str, config: TierConfig) -> None:
+        super().__init__(name)
+        self.config = config
+        self.store = TierStore(config)
+
+    def forward(self) -> contextlib.AbstractContextManager[Any]:
+        return self.store.offload()
+
+    def stats(self) -> Stats:
+        return self.store.stats()
+
+    def close(self) -> None:
+        self.store.close()
+
+
+# -- the run --------------------------------------------------------------------
+
+
+def _saved_bytes(model: GPT, tokens: torch.Tensor) -> tuple[int, int]:
+    """Bytes the forward saves: (all saves, distinct non-parameter tensors)."""
+    total = 0
+    seen: dict[tuple[Any, ...], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        nbytes = t.numel() * t.element_size()
+        total += nbytes
+        if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())
+            seen[key] = nbytes
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        loss = model.loss(tokens)
+    del loss
+    return total, sum(seen.values())
+
+
+def _tokens(settings: TrainSettings, step: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
+    shape = (settings.batch, settings.seq + 1)
+    return torch.randint(0, settings.vocab, shape, generator=gen).to(device)
+
+
+def _make_strategy(
+    name: str, *, settings: TrainSettings, model: GPT, root: Path, budget: int, device: torch.device
+) -> _Strategy:
+    if name == "none":
+        return _Strategy(name)
+    if name == "save_on_cpu":
+        return _SaveOnCpu(name, device)
+    if name == "checkpoint":
+        return _Checkpoint(name, model)
+    if name == "disk-naive":
+        return _NaiveDisk(name, root)
+    config = TierConfig(
+        device_budget=0,
+        host_budget=0,
+        disk_budget=budget,
+        disk_path=root,
+        disk_backend=name.removeprefix("tierstore-"),
+        min_offload_bytes=settings.min_offload_bytes,
+        compression=settings.compression,
+    )
+    return _Tierstore(name, config)
+
+
+def _stat(stats: Stats | None, name: str) -> Any:
+    # The prefetch counters arrive with the asynchronous pipeline; until then
+    # a store has none and the figures read n/a.
+    return getattr(stats, name, None) if stats is not None else None
+
+
+def _delta(after: Stats | None, before: Stats | None, name: str) -> float | None:
+    a, b = _stat(after, name), _stat(before, name)
+    return None if a is None or b is None else a - b
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _check_settings(settings: TrainSettings) -> torch.device:
+    for name in settings.strategies:
+        if name not in STRATEGIES:
+            raise TierstoreError(
+                f"tierstore: bench train: strategy {name!r} is unknown; expected some of "
+                f"{', '.join(STRATEGIES)}"
+            )
+    if settings.steps < 1 or settings.warmup < 0:
+        raise TierstoreError(
+            f"tierstore: bench train: steps={settings.steps}, warmup={settings.warmup}; "
+            "expected steps >= 1 and warmup >= 0"
+        )
+    if settings.d_model % settings.heads:
+        raise TierstoreError(
+            f"tierstore: bench train: d_model={settings.d_model} is not a multiple of "
+            f"heads={settings.heads}; change --d-model or --heads"
+        )
+    try:
+        device = torch.device(settings.device)
+    except RuntimeError:
+        device = torch.device("meta")  # named in the error below
+    if device.type not in ("cpu", "cuda"):
+        raise TierstoreError(
+            f"tierstore: bench train: --device {settings.device} is not cpu or cuda"
+        )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TierstoreError(
+            "tierstore: bench train: --device cuda, but torch.cuda.is_available() is False; "
+            "use --device cpu or a CUDA build of torch"
+        )
+    return device
+
+
+def _compare_grads(
+    result: StrategyResult, reference: list[torch.Tensor], grads: list[torch.Tensor]
+) -> None:
+    if len(grads) != len(reference):
+        result.max_grad_diff = float("inf")
+        result.grads_bitwise_equal = False
+        return
+    diffs = [
+        float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+        for a, b in zip(reference, grads, strict=True)
+    ]
+    result.max_grad_diff = max(diffs, default=0.0)
+    result.grads_bitwise_equal = all(
+        torch.equal(a, b) for a, b in zip(reference, grads, strict=True)
+    )
+
+
+class _Bench:
+    """Runs the strategies' steps on one model; measures each step the same way."""
+
+    def __init__(
+        self, settings: TrainSettings, model: GPT, device: torch.device, root: Path, budget: int
+    ) -> None:
+        self.settings = settings
+        self.model = model
+        self.device = device
+        self.root = root
+        self.budget = budget
+        self.cuda = device.type == "cuda"
+        self._rss = None if self.cuda else _AnonRss()
+
+    def memory_now(self) -> int:
+        if self._rss is None:
+            return torch.cuda.memory_allocated(self.device)
+        return self._rss()
+
+    def close(self) -> None:
+        if self._rss is not None:
+            self._rss.close()
+            self._rss = None
+
+    def timed(self, strategy: _Strategy, result: StrategyResult, progress: Progress) -> None:
+        """Warm-up and measured steps of one strategy, from the weights loaded now."""
+        settings = self.settings
+        self.model.zero_grad(set_to_none=True)
+        opt = torch.optim.SGD(self.model.parameters(), lr=settings.lr)
+        before: Stats | None = None
+        n = settings.warmup + settings.steps
+        for step in range(n):
+            if step == settings.warmup:
+                before = strategy.stats()
+            with progress.phase(f"{strategy.name} step {step + 1}/{n}"):
+                took, peak, timeline = self._step(strategy, opt, step, full_gc=step == 0)
+                progress.advance(1)
+            if step < settings.warmup:
+                result.warmup_s.append(took)
+            else:
+                result.step_s.append(took)
+                result.peak_bytes.append(peak)
+                result.timeline = {"step": step + 1, **timeline}
+        _summarize(result, before, strategy.stats(), settings.steps)
+
+    def _step(
+        self, strategy: _Strategy, opt: torch.optim.Optimizer, step: int, *, full_gc: bool = False
+    ) -> tuple[float, int, dict[str, Any]]:
+        """One training step: seconds, peak memory above the start, and the memory timeline."""
+        tokens = _tokens(self.settings, step, self.device)
+        # In place: the gradients' memory then belongs to the baseline.
+        self.model.zero_grad(set_to_none=False)
+        _release_free_memory(full=full_gc)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        baseline = self.memory_now()
+        mem = _Sampler(self.memory_now, _SAMPLE_S)
+        tiers = _Sampler(lambda: _tier_bytes(strategy.stats()), _TIER_SAMPLE_S)
+        sample_tiers = isinstance(strategy, _Tierstore)
+        mem.start()
+        if sample_tiers:
+            tiers.start()
+        try:
+            torch.manual_seed(self.settings.seed * 7919 + step)  # the same dropout masks
+            start = time.perf_counter()
+            with strategy.forward():
+                loss = self.model.loss(tokens)
+            loss.backward()
+            opt.step()
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            took = time.perf_counter() - start
+            del loss
+        finally:
+            samples = mem.stop()
+            tier_samples = tiers.stop() if sample_tiers else []
+        strategy.after_step()
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        else:
+            peak = max(v for _, v in samples) - baseline
+        thinned = _thin(samples, float)
+        tier_timeline: dict[str, list[Any]] = {}
+        if tier_samples:
+            tier_timeline["t_s"] = [round(t, 4) for t, _ in tier_samples]
+            for tier in TIERS:
+                tier_timeline[tier] = [v[tier] for _, v in tier_samples]
+        timeline = {
+            "t_s": [round(t, 4) for t, _ in thinned],
+            "memory_bytes": [v - baseline for _, v in thinned],
+            "tiers": tier_timeline,
+        }
+        return took, max(peak, 0), timeline
+
+
+def _tier_bytes(stats: Stats | None) -> dict[str, int]:
+    assert stats is not None  # sampled for tierstore strategies only
+    return {tier: stats.tiers[tier].bytes for tier in TIERS}
+
+
+#: Steps per strategy in the memory pass: a warm-up, then the measured one.
+_MEMORY_STEPS = 2
+
+_CHILD = """
+import sys
+from tierstore.bench import train
+# Before torch allocates anything: NOTE [ What bench train measures ].
+live = train._follow_live_memory()
+train._memory_child(sys.argv[1], live)
+"""
+
+
+def _memory_pass(
+    settings: TrainSettings, names: list[str], budget: int, progress: Progress
+) -> dict[str, Any]:
+    """Run :func:`_memory_child` in a fresh interpreter; its peaks and timelines per strategy."""
+    payload = json.dumps(
+        {
+            "settings": asdict(settings),
+            "names": names,
+            "budget": budget,
+            "threads": torch.get_num_threads(),
+        }
+    )
+    cmd = [sys.executable, "-c", _CHILD, payload]
+    result: dict[str, Any] = {}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        for line in proc.stdout:
+            if not line.startswith('{"event"'):
+                continue
+            event = json.loads(line)
+            if event["event"] == "step":
+                progress.advance(1)
+            elif event["event"] == "result":
+                result = event["result"]
+        err = proc.stderr.read()
+    if proc.returncode != 0 or not result:
+        raise TierstoreError(
+            f"tierstore: bench train: the memory pass (a child process) failed with exit "
+            f"status {proc.returncode}: {err.strip()[-2000:]}"
+        )
+    return result
+
+
+def _memory_child(payload_json: str, live: bool) -> None:
+    """The memory pass: a warm-up and one measured step per strategy, peaks to stdout."""
+    payload = json.loads(payload_json)
+    fields = payload["settings"]
+    fields["strategies"] = tuple(fields["strategies"])
+    settings = TrainSettings(**fields)
+    torch.set_num_threads(payload["threads"])
+    device = torch.device("cpu")
+    model = _build_model(settings, device)
+    initial = copy.deepcopy(model.state_dict())
+    bench = _Bench(settings, model, device, Path(settings.directory or "."), payload["budget"])
+    out: dict[str, Any] = {
+        "allocator": (
+            "a fresh process, glibc M_MMAP_THRESHOLD=1 MiB"
+            if live
+            else "a fresh process; not glibc: RSS may keep freed memory"
+        )
+    }
+    try:
+        for name in payload["names"]:
+            model.load_state_dict(initial)
+            for p in model.parameters():
+                # Allocated now, zeroed in place by each step: part of the baseline.
+                p.grad = torch.zeros_like(p)
+            opt = torch.optim.SGD(model.parameters(), lr=settings.lr)
+            strategy = _make_strategy(
+                name,
+                settings=settings,
+                model=model,
+                root=bench.root,
+                budget=bench.budget,
+                device=device,
+            )
+            try:
+                for step in range(_MEMORY_STEPS):
+                    took, peak, timeline = bench._step(strategy, opt, step, full_gc=True)
+                    print(json.dumps({"event": "step", "name": name}), flush=True)
+            finally:
+                strategy.close()
+            out[name] = {
+                "step_s": took,
+                "peak_bytes": peak,
+                "timeline": {"step": _MEMORY_STEPS, "pass": "memory", **timeline},
+            }
+    finally:
+        bench.close()
+    print(json.dumps({"event": "result", "result": out}), flush=True)
+
+
+def _build_model(settings: TrainSettings, device: torch.device) -> GPT:
+    cfg = GPTConfig(
+        vocab=settings.vocab,
+        d_model=settings.d_model,
+        heads=settings.heads,
+        layers=settings.layers,
+        seq=settings.seq,
+        dropout=settings.dropout,
+    )
+    torch.manual_seed(settings.seed)
+    model = GPT(cfg).to(device)
+    model.train()
+    return model
+
+
+def bench_train(settings: TrainSettings, *, show_progress: bool = True) -> TrainReport:
+    """Train the same GPT a few steps under each strategy and compare time, memory, gradients.
+
+    See the module docstring and ``NOTE [ What bench train measures ]``.
+
+    Args:
+        settings: model size, steps and strategies (:func:`default_settings`,
+            :func:`quick_settings`).
+        show_progress: draw a progress bar (or print a line per step) on stderr.
+
+    Returns:
+        One :class:`StrategyResult` per strategy, in the order of
+        :data:`STRATEGIES`, and the issue's targets for the tierstore rows.
+
+    Raises:
+        TierstoreError: a bad setting, or a strategy that leaves files behind.
+
+    Example:
+        >>> import tempfile
+        >>> s = quick_settings(steps=1, warmup=0, strategies=["none", "checkpoint"],
+        ...                    directory=tempfile.mkdtemp(), memory_pass=False)
+        >>> report = bench_train(s, show_progress=False)
+        >>> report.row("checkpoint").grads_bitwise_equal
+        True
+    """
+    device = _check_settings(settings)
+    names = [n for n in STRATEGIES if n in settings.strategies]
+    root = Path(settings.directory or tempfile.gettempdir()).absolute()
+    if not root.is_dir():
+        raise TierstoreError(f"tierstore: bench train: --dir {root} is not a directory")
+    model = _build_model(settings, device)
+    initial = copy.deepcopy(model.state_dict())
+    saved_all, saved_activations = _saved_bytes(model, _tokens(settings, 0, device))
+    budget = settings.disk_budget_bytes
+    if budget is None:
+        budget = -(-(saved_all * 3 // 2 + 64 * _MIB) // _MIB) * _MIB
+
+    cuda = device.type == "cuda"
+    memory_pass = settings.memory_pass and not cuda
+    allocator = (
+        "the measured steps"
+        if cuda
+        else "the measured steps, default allocator (RSS keeps some freed memory)"
+    )
+    bench = _Bench(settings, model, device, root, budget)
+    rows: list[StrategyResult] = []
+    reference: list[torch.Tensor] | None = None
+    strategies: dict[str, _Strategy] = {}
+    per_strategy = settings.warmup + settings.steps + (_MEMORY_STEPS if memory_pass else 0)
+    try:
+        for name in names:
+            strategies[name] = _make_strategy(
+                name, settings=settings, model=model, root=root, budget=budget, device=device
+            )
+        with Progress(len(names) * per_strategy, unit="step", enabled=show_progress) as progress:
+            # Pass 1: time, gradients, tier statistics (default allocator).
+            for name, strategy in strategies.items():
+                model.load_state_dict(initial)
+                result = StrategyResult(name)
+                if isinstance(strategy, _Tierstore):
+                    result.config = strategy.config.model_dump(mode="json")
+                bench.timed(strategy, result, progress)
+                grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+                if name == "none":
+                    reference = grads
+                if reference is not None:
+                    _compare_grads(result, reference, grads)
+                rows.append(result)
+            # Pass 2 (CPU): peak memory, in a fresh process whose allocator
+            # returns freed tensors to the kernel (NOTE [ What bench train measures ]).
+            if memory_pass:
+                with progress.phase(f"memory pass: {_MEMORY_STEPS} steps per strategy"):
+                    memory = _memory_pass(settings, names, budget, progress)
+                allocator = memory.pop("allocator")
+                for result in rows:
+                    got = memory[result.name]
+                    result.memory_step_s = got["step_s"]
+                    result.peak_bytes_default_allocator = result.peak_bytes
+                    result.peak_bytes = [got["peak_bytes"]]
+                    result.peak_activation_bytes = got["peak_bytes"]
+                    result.timeline = got["timeline"]
+    finally:
+        for strategy in strategies.values():
+            strategy.close()
+        bench.close()
+
+    none = next((r for r in rows if r.name == "none"), None)
+    naive = next((r for r in rows if r.name == "disk-naive"), None)
+    for r in rows:
+        if none is not None:
+            r.step_vs_none = _ratio(r.median_step_s, none.median_step_s)
+            r.memory_vs_none = _ratio(r.peak_activation_bytes, none.peak_activation_bytes)
+        if naive is not None:
+            r.step_vs_naive = _ratio(r.median_step_s, naive.median_step_s)
+            r.memory_vs_naive = _ratio(r.peak_activation_bytes, naive.peak_activation_bytes)
+
+    params = sum(p.numel() for p in model.parameters())
+    model_info = {
+        **asdict(model.cfg),
+        "batch": settings.batch,
+        "parameters": params,
+        "dtype": "float32",
+        "device": str(device),
+        "saved_bytes_per_step": saved_all,
+        "saved_activation_bytes_per_step": saved_activations,
+        "tierstore_disk_budget_bytes": budget,
+    }
+    settings_doc = asdict(settings)
+    settings_doc["strategies"] = names
+    settings_doc["memory_measure"] = allocator
+    return TrainReport(rows, settings_doc, model_info, _targets(rows))
+
+
+def _summarize(
+    result: StrategyResult, before: Stats | None, after: Stats | None, steps: int
+) -> None:
+    result.median_step_s = median(result.step_s)
+    result.peak_activation_bytes = max(result.peak_bytes)
+    if after is None:
+        return
+    result.tiers = {
+        tier: {
+            "peak_bytes": after.tiers[tier].peak_bytes,
+            "written_per_step": (
+                after.tiers[tier].bytes_written
+                - (before.tiers[tier].bytes_written if before else 0)
+            )
+            / steps,
+            "read_per_step": (
+                after.tiers[tier].bytes_read - (before.tiers[tier].bytes_read if before else 0)
+            )
+            / steps,
+        }
+        for tier in TIERS
+    }
+    hits = _delta(after, before, "prefetch_hits")
+    misses = _delta(after, before, "prefetch_misses")
+    result.prefetch = {
+        "hits": hits,
+        "misses": misses,
+        "hit_rate": hits / (hits + misses)
+        if hits is not None and misses is not None and hits + misses
+        else None,
+        "bytes_prefetched": _delta(after, before, "bytes_prefetched"),
+        "unpack_wait_s": _delta(after, before, "unpack_wait_s"),
+        "pack_wait_s": _delta(after, before, "pack_wait_s"),
+    }
+
+
+def _targets(rows: list[StrategyResult]) -> list[dict[str, Any]]:
+    # The issue-3 targets for full disk offload.
+    out: list[dict[str, Any]] = []
+    for r in rows:
+        if not r.name.startswith("tierstore-"):
+            continue
+        hit = r.prefetch["hit_rate"] if r.prefetch else None
+        checks: list[tuple[str, float | None, str, float]] = [
+            ("step time vs none", r.step_vs_none, "<=", 1.25),
+            ("step time vs disk-naive", r.step_vs_naive, "<=", 0.6),
+            ("peak activation memory vs none", r.memory_vs_none, "<=", 0.25),
+            ("prefetch hit rate after warm-up", hit, ">=", 0.95),
+            ("max |grad diff| vs none", r.max_grad_diff, "<=", 0.0),
+        ]
+        for what, value, op, target in checks:
+            met = None if value is None else (value <= target if op == "<=" else value >= target)
+            out.append(
+                {
+                    "strategy": r.name,
+                    "check": what,
+                    "value": value,
+                    "op": op,
+                    "target": target,
+                    "met": met,
+                }
+            )
+    return out
+
+
+def format_train(report: TrainReport) -> str:
+    """The results table, then the issue's targets for the tierstore rows, as text.
+
+    Example:
+        >>> import tempfile
+        >>> s = quick_settings(steps=1, warmup=0, strategies=["none"],
+        ...                    directory=tempfile.mkdtemp(), memory_pass=False)
+        >>> print(format_train(bench_train(s, show_progress=False)))  # doctest: +ELLIPSIS
+        strategy  step s  ...
+        --------  ...
+        none  ...
+    """
+    headers = [
+        "strategy",
+        "step s",
+        "vs none",
+        "vs naive",
+        "peak act. mem",
+        "vs none",
+        "vs naive",
+        "disk peak",
+        "written/step",
+        "prefetch hit",
+        "max |grad diff|",
+    ]
+    cells = []
+    for r in report.rows:
+        disk = r.tiers["disk"] if r.tiers else None
+        hit = r.prefetch["hit_rate"] if r.prefetch else None
+        cells.append(
+            [
+                r.name,
+                f"{r.median_step_s:.3f}",
+                fmt_ratio(r.step_vs_none),
+                fmt_ratio(r.step_vs_naive),
+                human_bytes(r.peak_activation_bytes),
+                fmt_ratio(r.memory_vs_none),
+                fmt_ratio(r.memory_vs_naive),
+                human_bytes(int(disk["peak_bytes"])) if disk else NA,
+                human_bytes(int(disk["written_per_step"])) if disk else NA,
+                f"{hit:.1%}" if hit is not None else NA,
+                f"{r.max_grad_diff:g}" if r.max_grad_diff is not None else NA,
+            ]
+        )
+    lines = [format_table(headers, cells)]
+    saved = report.model.get("saved_activation_bytes_per_step", 0)
+    if report.targets and saved < 1 << 30:
+        lines.append(
+            f"(the targets below are for models that save >= 1 GiB per step; this one saves "
+            f"{human_bytes(saved)})"
+        )
+    for t in report.targets:
+        value = t["value"]
+        if value is None:
+            shown = NA
+        elif "rate" in t["check"]:
+            shown = f"{value:.1%}"
+        elif "grad" in t["check"]:
+            shown = f"{value:g}"
+        else:
+            shown = fmt_ratio(value)
+        target = f"{t['target']:.0%}" if "rate" in t["check"] else f"{t['target']:g}"
+        if "vs" in t["check"] and "grad" not in t["check"]:
+            target += "x"
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        lines.append(
+            f"{t['strategy']}: {t['check']} {shown} (target {t['op']} {target}: {verdict})"
+        )
+    return "\n".join(lines)
+
+
+def _describe(report: TrainReport) -> str:
+    m, s = report.model, report.settings
+    return (
+        f"tierstore bench train: GPT {m['layers']} blocks, d_model {m['d_model']}, "
+        f"heads {m['heads']}, seq {m['seq']}, batch {m['batch']}, vocab {m['vocab']} "
+        f"({m['parameters'] / 1e6:.1f}M parameters), fp32 on {m['device']}; saved activations "
+        f"{human_bytes(m['saved_activation_bytes_per_step'])} per step; "
+        f"{s['warmup']} warm-up + {s['steps']} measured steps per strategy; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads\n"
+        "step = forward + backward + SGD update, median; peak act. mem = "
+        + (
+            "max_memory_allocated above the pre-step allocation; "
+            if m["device"].startswith("cuda")
+            else "peak anonymous RSS above the pre-step RSS, sampled every 1 ms, in "
+            f"{s['memory_measure']};\n"
+        )
+        + "tierstore: device_budget=0, host_budget=0, "
+        f"min_offload_bytes={s['min_offload_bytes']}, compression={s['compression']}; "
+        "max |grad diff| vs none over all parameters after the last step"
+    )
+
+
+def plot_train(report: TrainReport, path: str | os.PathLike[str]) -> None:
+    """Memory over one measured step: per strategy, and per tier for a tierstore strategy (PNG).
+
+    Raises:
+        TierstoreError: matplotlib is not installed.
+
+    Example:
+        >>> import os, tempfile
+        >>> s = quick_settings(steps=1, warmup=0, strategies=["none", "tierstore-file"],
+        ...                    directory=tempfile.mkdtemp(), memory_pass=False)
+        >>> report = bench_train(s, show_progress=False)
+        >>> plot_train(report, os.path.join(tempfile.mkdtemp(), "train.png"))  # doctest: +SKIP
+    """
+    plt = load_pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7.5))
+    for r in report.rows:
+        tl = r.timeline
+        if tl:
+            top.plot(tl["t_s"], [v / _MIB for v in tl["memory_bytes"]], label=r.name)
+    memory = "allocated" if report.model["device"].startswith("cuda") else "anonymous RSS"
+    top.set_title(f"{memory} above the pre-step baseline, during one step")
+    top.set_xlabel("seconds into the step")
+    top.set_ylabel("MiB")
+    top.legend()
+    shown = next((r for r in report.rows if r.timeline.get("tiers", {}).get("t_s")), None)
+    if shown is None:
+        bottom.text(0.5, 0.5, "no tierstore strategy ran", ha="center", va="center")
+        bottom.set_axis_off()
+    else:
+        tiers = shown.timeline["tiers"]
+        for tier in TIERS:
+            bottom.plot(tiers["t_s"], [v / _MIB for v in tiers[tier]], label=f"{tier} tier")
+        tl = shown.timeline
+        bottom.plot(
+            tl["t_s"],
+            [v / _MIB for v in tl["memory_bytes"]],
+            label=memory,
+            color="grey",
+            linewidth=0.8,
+        )
+        bottom.set_title(f"{shown.name}: bytes per tier during the same step")
+        bottom.set_xlabel("seconds into the step")
+        bottom.set_ylabel("MiB")
+        bottom.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``tierstore bench train``; model sizes default by ``--quick``.
+
+    Example:
+        >>> import argparse
+        >>> p = argparse.ArgumentParser(); add_arguments(p)
+        >>> settings_from_args(p.parse_args(["--quick", "--steps", "2"])).layers
+        2
+    """
+    full = TrainSettings()
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny model that runs in seconds (demo, tests)"
+    )
+    for flag, help_ in [
+        ("--layers", f"transformer blocks (default {full.layers})"),
+        ("--d-model", f"model width (default {full.d_model})"),
+        ("--heads", f"attention heads (default {full.heads})"),
+        ("--seq", f"sequence length (default {full.seq})"),
+        ("--batch", f"batch size (default {full.batch})"),
+        ("--vocab", f"vocabulary size (default {full.vocab})"),
+    ]:
+        parser.add_argument(flag, type=int, default=None, help=help_)
+    parser.add_argument("--steps", type=int, default=full.steps, help="measured steps (default 4)")
+    parser.add_argument("--warmup", type=int, default=full.warmup, help="warm-up steps (default 1)")
+    parser.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help=f"comma-separated, from {','.join(STRATEGIES)} (default: all)",
+    )
+    parser.add_argument(
+        "--dir", default=None, help="where disk strategies write (default: the system temp dir)"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights, tokens and dropout")
+    parser.add_argument(
+        "--min-offload-bytes",
+        type=int,
+        default=0,
+        help="tierstore: saved tensors below this stay in memory (default 0: all to disk)",
+    )
+    parser.add_argument(
+        "--compression", choices=["none", "zstd"], default="none", help="tierstore disk entries"
+    )
+    parser.add_argument(
+        "--no-memory-pass",
+        dest="memory_pass",
+        action="store_false",
+        help="CPU: skip the second pass that measures memory in a fresh process "
+        "(memory is then RSS of the timed steps on the default allocator)",
+    )
+    parser.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
+    parser.add_argument(
+        "--plot", default=None, metavar="PATH", help="write a memory timeline (PNG)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def settings_from_args(args: argparse.Namespace) -> TrainSettings:
+    """:class:`TrainSettings` from parsed options: ``--quick`` picks the defaults, flags win.
+
+    Example:
+        >>> import argparse
+        >>> p = argparse.ArgumentParser(); add_arguments(p)
+        >>> settings_from_args(p.parse_args(["--d-model", "256"])).d_model
+        256
+    """
+    base = quick_settings() if args.quick else default_settings()
+    sizes = {
+        name: getattr(args, name)
+        for name in ("layers", "d_model", "heads", "seq", "batch", "vocab")
+        if getattr(args, name) is not None
+    }
+    return replace(
+        base,
+        **sizes,
+        steps=args.steps,
+        warmup=args.warmup,
+        strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
+        directory=args.dir,
+        device=args.device,
+        seed=args.seed,
+        min_offload_bytes=args.min_offload_bytes,
+        compression=args.compression,
+        memory_pass=args.memory_pass,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``tierstore bench train`` with parsed options; print the table.
+
+    Returns 0, or 1 when a strategy's gradients differ from ``none``'s.
+
+    Example:
+        >>> import argparse, tempfile
+        >>> p = argparse.ArgumentParser(); add_arguments(p)
+        >>> args = p.parse_args(["--quick", "--steps", "1", "--warmup", "0", "--quiet",
+        ...                      "--no-memory-pass", "--strategies", "none,disk-naive",
+        ...                      "--dir", tempfile.mkdtemp()])
+        >>> run(args)  # doctest: +ELLIPSIS
+        tierstore bench train: GPT 2 blocks, ...
+        0
+    """
+    settings = settings_from_args(args)
+    if args.plot:
+        load_pyplot()  # fail before the benchmark runs, not after
+    info = machine_info(Path(args.dir or tempfile.gettempdir()).absolute())
+    report = bench_train(settings, show_progress=not args.quiet)
+    if hasattr(os, "getloadavg"):
+        info["loadavg_after_1_5_15min"] = list(os.getloadavg())
+    print(_describe(report))
+    print()
+    print(format_train(report))
+    if args.json:
+        doc = {
+            "benchmark": "train",
+            "command": command_line(),
+            "options": {k: v for k, v in vars(args).items() if k != "run"},
+            "machine": info,
+            "torch": torch.__version__,
+            **report.as_dict(),
+        }
+        write_json(args.json, doc)
+        print(f"JSON: {args.json}")
+    if args.plot:
+        plot_train(report, args.plot)
+        print(f"plot: {args.plot}")
+    unequal = [r.name for r in report.rows if r.grads_bitwise_equal is False]
+    if unequal:
+        print(f"gradients differ from none's: {', '.join(unequal)}")
+        return 1
+    return 0
