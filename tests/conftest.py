@@ -48,10 +48,7 @@ def spill_root(tmp_path: Path) -> Path:
     return root
 
 
-@pytest.fixture(params=DISK_VARIANTS)
-def disk_config(request: pytest.FixtureRequest, spill_root: Path) -> tierstore.TierConfig:
-    """Every offloadable saved tensor goes to disk, on each backend, compressed and not."""
-    backend, compression = request.param
+def _all_to_disk(spill_root: Path, backend: str, compression: str) -> tierstore.TierConfig:
     return tierstore.TierConfig(
         device_budget=0,
         host_budget=0,
@@ -61,6 +58,12 @@ def disk_config(request: pytest.FixtureRequest, spill_root: Path) -> tierstore.T
         compression=compression,
         min_offload_bytes=0,
     )
+
+
+@pytest.fixture(params=DISK_VARIANTS)
+def disk_config(request: pytest.FixtureRequest, spill_root: Path) -> tierstore.TierConfig:
+    """Every offloadable saved tensor goes to disk, on each backend, compressed and not."""
+    return _all_to_disk(spill_root, *request.param)
 
 
 @pytest.fixture
@@ -78,16 +81,7 @@ def any_store(request: pytest.FixtureRequest, spill_root: Path) -> Iterator[tier
             device_budget=0, host_budget="256MiB", disk_budget=0, min_offload_bytes=0
         )
     else:
-        backend, compression = request.param
-        config = tierstore.TierConfig(
-            device_budget=0,
-            host_budget=0,
-            disk_budget="256MiB",
-            disk_path=spill_root,
-            disk_backend=backend,
-            compression=compression,
-            min_offload_bytes=0,
-        )
+        config = _all_to_disk(spill_root, *request.param)
     store = tierstore.TierStore(config)
     yield store
     store.close()
