@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from backend_helpers import FULL_HINT, KiB, MiB, read, split
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -38,27 +39,12 @@ from tierstore.errors import (
     TierstoreError,
 )
 
-KiB = 1024
-MiB = 1024 * KiB
-FULL_HINT = "; raise disk_budget (TIERSTORE_DISK_BUDGET)"
-
 
 @pytest.fixture
 def backend(tmp_path: Path) -> Iterator[FileBackend]:
     b = FileBackend(tmp_path, 4 * MiB)
     yield b
     b.close()
-
-
-def _split(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in itertools.pairwise(points)]
-
-
-def _read(backend: Backend, key: int, sizes: list[int]) -> bytes:
-    bufs = [bytearray(n) for n in sizes]
-    backend.read_into(key, [memoryview(b) for b in bufs])
-    return b"".join(bufs)
 
 
 # -- the package surface ---------------------------------------------------------
@@ -212,9 +198,9 @@ def test_round_trip_any_chunking(
     backend: FileBackend, data: bytes, write_cuts: list[int], read_cuts: list[int]
 ) -> None:
     try:
-        footprint = backend.write(1, _split(data, write_cuts))
+        footprint = backend.write(1, split(data, write_cuts))
         assert footprint == -(-len(data) // ALIGN) * ALIGN == backend.used_bytes
-        assert _read(backend, 1, [len(c) for c in _split(data, read_cuts)]) == data
+        assert read(backend, 1, [len(c) for c in split(data, read_cuts)]) == data
     finally:
         backend.delete(1)
     assert backend.used_bytes == 0
@@ -255,12 +241,12 @@ def test_many_records_in_any_order(backend: FileBackend) -> None:
     keys = list(records)
     rng.shuffle(keys)
     for k in keys:
-        assert _read(backend, k, [len(records[k])]) == records[k]
+        assert read(backend, k, [len(records[k])]) == records[k]
     for i, k in enumerate(keys):
         backend.delete(k)
         if i % 7 == 0:  # reuse freed space in between
             backend.write(1000 + i, [records[k]])
-            assert _read(backend, 1000 + i, [len(records[k])]) == records[k]
+            assert read(backend, 1000 + i, [len(records[k])]) == records[k]
             backend.delete(1000 + i)
     assert (len(backend), backend.used_bytes) == (0, 0)
     assert (backend._alloc.top, backend._alloc.free_extents) == (0, [])
@@ -279,7 +265,7 @@ def test_lifo_deletes_keep_the_free_list_empty(backend: FileBackend) -> None:
 def test_more_chunks_than_iov_max(backend: FileBackend) -> None:
     chunks = [bytes([i % 251]) * 3 for i in range(3000)]
     backend.write(1, chunks)
-    assert _read(backend, 1, [2] * 4500) == b"".join(chunks)
+    assert read(backend, 1, [2] * 4500) == b"".join(chunks)
 
 
 def test_short_writes_and_reads_are_resumed(
@@ -306,8 +292,8 @@ def test_short_writes_and_reads_are_resumed(
     monkeypatch.setattr(os, "pwritev", short_pwritev)
     monkeypatch.setattr(os, "preadv", short_preadv)
     data = random.Random(1).randbytes(50_000)
-    backend.write(1, _split(data, [3, 5000, 5001, 22_222]))
-    assert _read(backend, 1, [1, 9999, 40_000]) == data
+    backend.write(1, split(data, [3, 5000, 5001, 22_222]))
+    assert read(backend, 1, [1, 9999, 40_000]) == data
 
 
 def test_concurrent_writers_and_readers(backend: FileBackend) -> None:
@@ -320,7 +306,7 @@ def test_concurrent_writers_and_readers(backend: FileBackend) -> None:
                 key = tid * 1000 + i
                 data = rng.randbytes(rng.randrange(0, 3 * ALIGN))
                 backend.write(key, [data[:10], data[10:]])
-                assert _read(backend, key, [len(data)]) == data
+                assert read(backend, key, [len(data)]) == data
                 backend.delete(key)
         except BaseException as e:
             errors.append(e)
@@ -338,7 +324,7 @@ def test_duplicate_key_is_refused_and_the_record_kept(backend: FileBackend) -> N
     backend.write(1, [b"first"])
     with pytest.raises(ValueError, match=re.escape("tierstore: key 1 is already stored")):
         backend.write(1, [b"second"])
-    assert _read(backend, 1, [5]) == b"first"
+    assert read(backend, 1, [5]) == b"first"
     assert backend.used_bytes == ALIGN
 
 
@@ -384,9 +370,9 @@ def test_full_message_and_recovery(tmp_path: Path) -> None:
         "largest extent 4.0 KiB)" + FULL_HINT
     )
     assert b.write(9, [b"fits"]) == 4 * KiB
-    assert _read(b, 9, [4]) == b"fits"
-    assert _read(b, 1, [100]) == b"\x01" * 100
-    assert _read(b, 3, [100]) == b"\x03" * 100
+    assert read(b, 9, [4]) == b"fits"
+    assert read(b, 1, [100]) == b"\x01" * 100
+    assert read(b, 3, [100]) == b"\x03" * 100
     b.close()
 
 
@@ -470,7 +456,7 @@ def test_preallocation_falls_back_to_ftruncate(
     b = FileBackend(tmp_path, 64 * KiB)
     assert (b.directory / "entries.bin").stat().st_size == 64 * KiB
     b.write(1, [b"sparse is fine"])
-    assert _read(b, 1, [14]) == b"sparse is fine"
+    assert read(b, 1, [14]) == b"sparse is fine"
     b.close()
 
 
@@ -512,7 +498,7 @@ def test_failed_write_frees_its_extent(
     assert (len(backend), backend.used_bytes, backend._alloc.top) == (1, ALIGN, ALIGN)
     monkeypatch.undo()
     backend.write(2, [b"later"])
-    assert _read(backend, 2, [5]) == b"later"
+    assert read(backend, 2, [5]) == b"later"
 
 
 # -- corrupt records -----------------------------------------------------------------
@@ -522,12 +508,12 @@ def test_length_mismatch_is_corrupt(backend: FileBackend) -> None:
     backend.write(5, [b"eighteen bytes!!!!"])
     for sizes in ([17], [10, 10], []):
         with pytest.raises(CorruptDataError) as info:
-            _read(backend, 5, sizes)
+            read(backend, 5, sizes)
         assert str(info.value) == (
             f"tierstore: entry 5 in the disk tier ({backend.directory / 'entries.bin'}) "
             f"holds 18 bytes, not the {sum(sizes)} bytes asked for"
         )
-    assert _read(backend, 5, [18]) == b"eighteen bytes!!!!"
+    assert read(backend, 5, [18]) == b"eighteen bytes!!!!"
 
 
 def test_truncated_file_is_corrupt(backend: FileBackend) -> None:
@@ -535,9 +521,9 @@ def test_truncated_file_is_corrupt(backend: FileBackend) -> None:
     backend.write(2, [bytes(3 * ALIGN)])
     path = backend.directory / "entries.bin"
     os.truncate(path, 2 * ALIGN)
-    assert _read(backend, 1, [ALIGN]) == bytes(ALIGN)
+    assert read(backend, 1, [ALIGN]) == bytes(ALIGN)
     with pytest.raises(CorruptDataError) as info:
-        _read(backend, 2, [3 * ALIGN])
+        read(backend, 2, [3 * ALIGN])
     assert str(info.value) == (
         f"tierstore: entry 2 in the disk tier ({path}) ends early: the file ends after "
         f"{ALIGN} of its {3 * ALIGN} bytes at offset {ALIGN}; "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import array
 import inspect
-import itertools
 import os
 import random
 import re
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
+from backend_helpers import FULL_HINT, KiB, MiB, read, split
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,27 +26,12 @@ from tierstore.errors import (
     TierFullError,
 )
 
-KiB = 1024
-MiB = 1024 * KiB
-FULL_HINT = "; raise disk_budget (TIERSTORE_DISK_BUDGET)"
-
 
 @pytest.fixture
 def backend(tmp_path: Path) -> Iterator[LmdbBackend]:
     b = LmdbBackend(tmp_path, 16 * MiB)
     yield b
     b.close()
-
-
-def _split(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in itertools.pairwise(points)]
-
-
-def _read(backend: Backend, key: int, sizes: list[int]) -> bytes:
-    bufs = [bytearray(n) for n in sizes]
-    backend.read_into(key, [memoryview(b) for b in bufs])
-    return b"".join(bufs)
 
 
 def test_is_a_backend() -> None:
@@ -96,9 +81,9 @@ def test_round_trip_any_chunking(
     backend: LmdbBackend, data: bytes, write_cuts: list[int], read_cuts: list[int]
 ) -> None:
     try:
-        footprint = backend.write(1, _split(data, write_cuts))
+        footprint = backend.write(1, split(data, write_cuts))
         assert footprint == backend.footprint(len(data)) == backend.used_bytes
-        assert _read(backend, 1, [len(c) for c in _split(data, read_cuts)]) == data
+        assert read(backend, 1, [len(c) for c in split(data, read_cuts)]) == data
     finally:
         backend.delete(1)
     assert (backend.used_bytes, len(backend)) == (0, 0)
@@ -142,7 +127,7 @@ def test_many_records_in_any_order(backend: LmdbBackend) -> None:
     keys = list(records)
     rng.shuffle(keys)
     for k in keys:
-        assert _read(backend, k, [len(records[k])]) == records[k]
+        assert read(backend, k, [len(records[k])]) == records[k]
     for k in keys:
         backend.delete(k)
     assert (len(backend), backend.used_bytes) == (0, 0)
@@ -158,7 +143,7 @@ def test_concurrent_writers_and_readers(backend: LmdbBackend) -> None:
                 key = tid * 1000 + i
                 data = rng.randbytes(rng.randrange(0, 20_000))
                 backend.write(key, [data[:10], data[10:]])
-                assert _read(backend, key, [len(data)]) == data
+                assert read(backend, key, [len(data)]) == data
                 backend.delete(key)
         except BaseException as e:
             errors.append(e)
@@ -176,7 +161,7 @@ def test_bad_keys(backend: LmdbBackend) -> None:
     backend.write(1, [b"first"])
     with pytest.raises(ValueError, match=re.escape("tierstore: key 1 is already stored")):
         backend.write(1, [b"second"])
-    assert _read(backend, 1, [5]) == b"first"
+    assert read(backend, 1, [5]) == b"first"
     with pytest.raises(ValueError) as info:
         backend.write(-1, [b"x"])
     assert str(info.value) == (
@@ -208,7 +193,7 @@ def test_budget_is_enforced_with_an_exact_message(tmp_path: Path) -> None:
     assert (len(b), b.used_bytes) == (16, 64 * KiB)
     b.delete(3)
     b.write(99, [b"fits"])
-    assert _read(b, 99, [4]) == b"fits"
+    assert read(b, 99, [4]) == b"fits"
     b.close()
 
 
@@ -245,10 +230,10 @@ def test_map_full_message_and_recovery(tmp_path: Path) -> None:
     with pytest.raises(KeyError):
         b.read_into(2, [])
     b.write(3, [b"small" * 100])
-    assert _read(b, 3, [500]) == b"small" * 100
+    assert read(b, 3, [500]) == b"small" * 100
     b.delete(1)
     b.write(2, [bytes(100_000)])
-    assert _read(b, 2, [100_000]) == bytes(100_000)
+    assert read(b, 2, [100_000]) == bytes(100_000)
     b.close()
 
 
@@ -269,12 +254,12 @@ def test_length_mismatch_is_corrupt(backend: LmdbBackend) -> None:
     backend.write(5, [b"eighteen bytes!!!!"])
     for sizes in ([17], [10, 10], []):
         with pytest.raises(CorruptDataError) as info:
-            _read(backend, 5, sizes)
+            read(backend, 5, sizes)
         assert str(info.value) == (
             f"tierstore: entry 5 in the disk tier ({backend.directory / 'entries.lmdb'}) "
             f"holds 18 bytes, not the {sum(sizes)} bytes asked for"
         )
-    assert _read(backend, 5, [18]) == b"eighteen bytes!!!!"
+    assert read(backend, 5, [18]) == b"eighteen bytes!!!!"
 
 
 def test_record_lost_by_lmdb_is_corrupt(backend: LmdbBackend) -> None:
@@ -282,7 +267,7 @@ def test_record_lost_by_lmdb_is_corrupt(backend: LmdbBackend) -> None:
     with backend._env.begin(write=True) as txn:
         txn.delete((5).to_bytes(8, "big"))
     with pytest.raises(CorruptDataError) as info:
-        _read(backend, 5, [4])
+        read(backend, 5, [4])
     assert str(info.value) == (
         f"tierstore: entry 5 is missing from the disk tier ({backend.directory / 'entries.lmdb'})"
     )
