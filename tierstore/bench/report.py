@@ -26,8 +26,9 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Generic, Protocol, TextIO, TypeVar
 
 import torch
 
@@ -38,6 +39,7 @@ __all__ = [
     "INSTALL_HINT",
     "NA",
     "Progress",
+    "Report",
     "command_line",
     "fmt_ratio",
     "format_table",
@@ -53,6 +55,41 @@ INSTALL_HINT = "pip install 'tierstore[bench]'"
 #: Shown where a figure does not exist (a baseline has no compression ratio,
 #: a store has no prefetch counters yet).
 NA = "n/a"
+
+
+class _Named(Protocol):
+    name: str
+
+
+RowT = TypeVar("RowT", bound=_Named)
+
+
+@dataclass
+class Report(Generic[RowT]):
+    """Rows a benchmark measured, the settings it ran with, and its targets.
+
+    Example:
+        >>> from dataclasses import dataclass
+        >>> from tierstore.bench.report import Report
+        >>> @dataclass
+        ... class Row:
+        ...     name: str
+        >>> report = Report(rows=[Row("a")], settings={}, targets=[])
+        >>> report.row("a"), report.row("b"), report.as_dict()["rows"]
+        (Row(name='a'), None, [{'name': 'a'}])
+    """
+
+    rows: list[RowT]
+    settings: dict[str, Any]
+    targets: list[dict[str, Any]]
+
+    def row(self, name: str) -> RowT | None:
+        """The row called ``name``, if it ran."""
+        return next((r for r in self.rows if r.name == name), None)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data for JSON."""
+        return asdict(self)
 
 
 def _optional(module: str) -> Any:

@@ -55,7 +55,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,7 @@ from tierstore import codec
 from tierstore.bench.report import (
     NA,
     Progress,
+    Report,
     command_line,
     fmt_ratio,
     format_table,
@@ -181,34 +182,15 @@ class StorageRow:
 
 
 @dataclass
-class StorageReport:
+class StorageReport(Report[StorageRow]):
     """What :func:`bench_storage` measured, with the settings and the data it used.
 
     Example:
-        >>> StorageReport(rows=[], settings={}, data={}, targets=[]).as_dict()["rows"]
+        >>> StorageReport(rows=[], settings={}, targets=[], data={}).as_dict()["rows"]
         []
     """
 
-    rows: list[StorageRow]
-    settings: dict[str, Any]
     data: dict[str, Any]
-    targets: list[dict[str, Any]]
-
-    def row(self, name: str) -> StorageRow | None:
-        """The row called ``name``, if it ran."""
-        return next((r for r in self.rows if r.name == name), None)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain data for JSON."""
-        return {
-            "settings": self.settings,
-            "data": self.data,
-            "rows": [asdict(r) for r in self.rows],
-            "targets": self.targets,
-        }
-
-
-# -- data (NOTE [ Benchmark data ]) -------------------------------------------
 
 
 def _tensor_sizes(total_bytes: int, sizes: Sequence[int], seed: int) -> list[int]:
@@ -692,7 +674,7 @@ def bench_storage(
         ),
         "units": "GB/s = 1e9 tensor bytes per second; write+read = 2*bytes/(write_s+read_s)",
     }
-    return StorageReport(rows, settings, data, _targets(rows))
+    return StorageReport(rows=rows, settings=settings, targets=_targets(rows), data=data)
 
 
 def format_storage(report: StorageReport) -> str:

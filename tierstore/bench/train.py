@@ -94,6 +94,7 @@ from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.bench.report import (
     NA,
     Progress,
+    Report,
     command_line,
     fmt_ratio,
     format_table,
@@ -227,31 +228,15 @@ class StrategyResult:
 
 
 @dataclass
-class TrainReport:
+class TrainReport(Report[StrategyResult]):
     """What :func:`bench_train` measured.
 
     Example:
-        >>> TrainReport(rows=[], settings={}, model={}, targets=[]).row("none") is None
+        >>> TrainReport(rows=[], settings={}, targets=[], model={}).row("none") is None
         True
     """
 
-    rows: list[StrategyResult]
-    settings: dict[str, Any]
     model: dict[str, Any]
-    targets: list[dict[str, Any]]
-
-    def row(self, name: str) -> StrategyResult | None:
-        """The result of strategy ``name``, if it ran."""
-        return next((r for r in self.rows if r.name == name), None)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain data for JSON."""
-        return {
-            "settings": self.settings,
-            "model": self.model,
-            "rows": [asdict(r) for r in self.rows],
-            "targets": self.targets,
-        }
 
 
 # -- memory (NOTE [ What bench train measures ]) --------------------------------
@@ -908,7 +893,7 @@ def bench_train(settings: TrainSettings, *, show_progress: bool = True) -> Train
     settings_doc = asdict(settings)
     settings_doc["strategies"] = names
     settings_doc["memory_measure"] = allocator
-    return TrainReport(rows, settings_doc, model_info, _targets(rows))
+    return TrainReport(rows=rows, settings=settings_doc, targets=_targets(rows), model=model_info)
 
 
 def _summarize(
