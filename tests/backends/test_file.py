@@ -29,7 +29,8 @@ from hypothesis.stateful import (
 import tierstore.backends
 from tierstore.backends import Backend, FileBackend, LmdbBackend, backend_class
 from tierstore.backends import file as file_backend
-from tierstore.backends.file import ALIGN, _ExtentAllocator
+from tierstore.backends._extents import ExtentAllocator
+from tierstore.backends.file import ALIGN
 from tierstore.config import human_bytes
 from tierstore.errors import (
     ConfigError,
@@ -76,7 +77,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @initialize()
     def setup(self) -> None:
-        self.alloc = _ExtentAllocator(self.capacity)
+        self.alloc = ExtentAllocator(self.capacity)
         self.live: dict[int, int] = {}  # offset -> length
 
     @rule(n=st.integers(1, 24))
@@ -131,7 +132,7 @@ TestAllocatorMachine.settings = settings(max_examples=200, stateful_step_count=6
 
 
 def test_allocator_lifo_frees_are_pure_stack_moves() -> None:
-    alloc = _ExtentAllocator(1000 * ALIGN)
+    alloc = ExtentAllocator(1000 * ALIGN)
     offsets = [alloc.allocate(ALIGN * (1 + i % 3)) for i in range(300)]
     assert offsets[:3] == [0, ALIGN, 3 * ALIGN]
     sizes = [ALIGN * (1 + i % 3) for i in range(300)]
@@ -144,7 +145,7 @@ def test_allocator_lifo_frees_are_pure_stack_moves() -> None:
 
 
 def test_allocator_folds_free_extents_back_into_the_stack() -> None:
-    alloc = _ExtentAllocator(16)
+    alloc = ExtentAllocator(16)
     a, b, c = alloc.allocate(4), alloc.allocate(4), alloc.allocate(4)
     assert (a, b, c) == (0, 4, 8)
     alloc.free(4, 4)
@@ -156,7 +157,7 @@ def test_allocator_folds_free_extents_back_into_the_stack() -> None:
 
 
 def test_allocator_first_fit_below_top_when_the_stack_is_full() -> None:
-    alloc = _ExtentAllocator(16)
+    alloc = ExtentAllocator(16)
     for _ in range(4):
         alloc.allocate(4)
     alloc.free(0, 4)
@@ -170,7 +171,7 @@ def test_allocator_first_fit_below_top_when_the_stack_is_full() -> None:
 
 
 def test_allocator_rejects_double_and_foreign_frees() -> None:
-    alloc = _ExtentAllocator(16)
+    alloc = ExtentAllocator(16)
     for _ in range(3):
         alloc.allocate(4)
     alloc.free(0, 4)
