@@ -14,8 +14,16 @@ import torch
 import tierstore
 from tierstore import hooks
 
-#: The one marker for tests that need a GPU (DESIGN.md, house style).
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``@pytest.mark.requires_cuda``, the one marker for GPU tests, skips them without a GPU."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "requires_cuda" in item.keywords:
+            item.add_marker(skip)
+
 
 DISK_VARIANTS = [
     pytest.param(("file", "none"), id="file"),

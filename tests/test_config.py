@@ -11,7 +11,8 @@ from tierstore.config import describe_config
 
 KNOWN = (
     "Known settings: compression, compression_level, device_budget, disk_backend, disk_budget, "
-    "disk_path, host_budget, io_workers, min_offload_bytes, prefetch_bytes, write_queue_bytes"
+    "disk_path, host_budget, host_pool_step, io_workers, min_offload_bytes, pin_memory, "
+    "prefetch_bytes, write_queue_bytes"
 )
 SIZE = "expected a size such as '4GiB', '512MB' or a whole number of bytes"
 

@@ -125,6 +125,14 @@ class TierConfig(BaseSettings):
         default=ByteSize(8 << 30),
         description="Bytes of saved tensors held in host memory (pinned when CUDA is present).",
     )
+    pin_memory: bool = Field(
+        default=True,
+        description="Page-lock the host tier's buffers on CUDA (False: pageable, slower copies).",
+    )
+    host_pool_step: Size = Field(
+        default=ByteSize(256 << 20),
+        description="Bytes of host buffers allocated at a time, up to host_budget, on CUDA.",
+    )
     disk_budget: Size = Field(
         default=ByteSize(32 << 30),
         description="Bytes of saved tensors on local disk; the file backend preallocates this.",
@@ -142,7 +150,7 @@ class TierConfig(BaseSettings):
     )
     prefetch_bytes: Size = Field(
         default=ByteSize(256 << 20),
-        description="Bytes backward may read ahead of use from lower tiers.",
+        description="Bytes backward may read ahead of use: disk reads, and H2D copies on CUDA.",
     )
     write_queue_bytes: Size = Field(
         default=ByteSize(256 << 20),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -30,12 +31,32 @@ import torch
 from tierstore import codec
 from tierstore.backends import backend_class
 from tierstore.backends.base import Backend
+from tierstore.backends.host import HostBlock, HostPool
 from tierstore.config import TierConfig
 from tierstore.errors import CorruptDataError, StoreClosedError
 
-__all__ = ["Pipeline", "Record"]
+__all__ = ["DeviceCopy", "HostBlock", "HostCopy", "Pipeline", "Record"]
 
 T = TypeVar("T")
+
+# NOTE [ Copies on CUDA ]
+# D2H (a saved tensor leaves the device): the d2h stream waits on the
+# producer's stream, read at call time, then copies into a pooled pinned
+# block and records an event. Pack returns at once; the caller keeps the
+# source tensor referenced until that event has completed (HostCopy.ready),
+# so the caching allocator cannot hand its memory to a new tensor while the
+# copy still reads it. A disk write of the block first waits for the event
+# on the I/O thread.
+# H2D (backward needs it back): the destination is allocated on the
+# consumer's stream, and the h2d stream waits on that stream before it writes
+# there, because the caching allocator hands the consumer's freed blocks out
+# in that stream's order; it also waits on the entry's D2H event if that copy
+# is still under way. The consumer's stream then waits on the H2D event
+# (DeviceCopy.ready): no host synchronisation anywhere, and no
+# record_stream. Prefetched copies are issued at earlier unpacks, so they run
+# on the h2d stream while the consumer computes.
+# A pool block goes back only once every copy issued before the release, on
+# both copy streams, has completed (an event recorded on each at release).
 
 # NOTE [ Movers ]
 # One event-loop thread per store runs the disk I/O as coroutines; each
@@ -60,6 +81,53 @@ async def _cancel_all() -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """A span's bytes in host memory, and the copy that fills them (NOTE [ Copies on CUDA ]).
+
+    ``ready`` is ``None`` when the bytes are there already (always on CPU);
+    otherwise the event of the D2H copy. ``block`` is the pool block holding
+    them, to be given back with :meth:`Pipeline.free_host`.
+
+    Example:
+        >>> import torch
+        >>> from tierstore import TierConfig
+        >>> from tierstore.pipeline import Pipeline
+        >>> copy = Pipeline(TierConfig(disk_budget=0)).host_copy(torch.ones(2))
+        >>> copy.ready is None and copy.block is None
+        True
+    """
+
+    tensor: torch.Tensor
+    ready: torch.cuda.Event | None = None
+    block: HostBlock | None = None
+
+
+@dataclass(frozen=True)
+class DeviceCopy:
+    """A span copied back to its device on the h2d stream; ``ready`` is that copy's event.
+
+    Example:
+        >>> import torch
+        >>> from tierstore.pipeline import DeviceCopy
+        >>> DeviceCopy(torch.ones(2), None).ready is None
+        True
+    """
+
+    tensor: torch.Tensor
+    ready: torch.cuda.Event | None
+
+
+class _Streams:
+    """The copy streams of one CUDA device, created on first use."""
+
+    __slots__ = ("d2h", "h2d")
+
+    def __init__(self, device: torch.device) -> None:
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
 
 
 @dataclass(frozen=True)
@@ -94,8 +162,10 @@ class Pipeline:
         >>> import torch
         >>> from tierstore import TierConfig
         >>> from tierstore.pipeline import Pipeline
-        >>> Pipeline(TierConfig(disk_budget=0)).to_host(torch.ones(2)).device
+        >>> pipe = Pipeline(TierConfig(disk_budget=0))
+        >>> pipe.host_copy(torch.ones(2)).tensor.device
         device(type='cpu')
+        >>> pipe.close()
     """
 
     def __init__(self, config: TierConfig) -> None:
@@ -106,6 +176,11 @@ class Pipeline:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._start_lock = threading.Lock()
         self._closed = False
+        # CUDA only (NOTE [ Copies on CUDA ]): the pinned pool, the copy
+        # streams per device, and pool blocks waiting for their copies to end.
+        self._pool: HostPool | None = None
+        self._streams: dict[torch.device, _Streams] = {}
+        self._returns: deque[tuple[list[torch.cuda.Event], HostBlock]] = deque()
 
     # -- resources -------------------------------------------------------------
 
@@ -156,6 +231,14 @@ class Pipeline:
             self._closed = True
             loop, thread, executor = self._loop, self._thread, self._executor
             backend, self._backend = self._backend, None
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            # Copies still using a block would read or write freed memory.
+            for events, _ in self._returns:
+                for event in events:
+                    event.synchronize()
+            self._returns.clear()
+            pool.close()
         if loop is not None and thread is not None and executor is not None:
             # Cancel what is still queued (a read waiting for a write, say), let
             # the cancellations run, then stop; started syscalls finish first.
@@ -167,20 +250,111 @@ class Pipeline:
         if backend is not None:
             backend.close()
 
-    # -- host <-> device ---------------------------------------------------------
+    # -- host <-> device (NOTE [ Copies on CUDA ]) -----------------------------------
 
-    def to_host(self, span: torch.Tensor) -> torch.Tensor:
-        """A host-memory span with the same elements (the span itself on CPU)."""
-        if span.device.type == "cpu":
-            return span
-        pin = torch.cuda.is_available()
-        host = torch.empty(span.shape, dtype=span.dtype, pin_memory=pin)
-        host.copy_(span)
-        return host
+    @property
+    def pool_if_open(self) -> HostPool | None:
+        """The host pool if a CUDA copy has created it, else ``None``."""
+        return self._pool
 
-    def to_device(self, span: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """The span on ``device`` (no copy when it is already there)."""
-        return span if span.device == device else span.to(device)
+    def _streams_of(self, device: torch.device) -> _Streams:
+        streams = self._streams.get(device)
+        if streams is None:
+            streams = self._streams[device] = _Streams(device)
+        return streams
+
+    def host_copy(self, span: torch.Tensor) -> HostCopy:
+        """Start copying a span to host memory; on CPU the span itself is the copy.
+
+        Called with the tier manager's lock held (the pool and the list of
+        blocks to give back have no lock of their own beyond the pool's).
+        """
+        if span.device.type != "cuda":
+            return HostCopy(span)
+        self.reclaim()
+        nbytes = span.numel() * span.element_size()
+        block = self._host_pool().take(nbytes)
+        if block is not None:
+            host = block.tensor.view(span.dtype).view(span.shape)
+        else:
+            host = torch.empty(span.shape, dtype=span.dtype, pin_memory=self._config.pin_memory)
+        streams = self._streams_of(span.device)
+        producer = torch.cuda.current_stream(span.device)  # at call time, never cached
+        with torch.profiler.record_function("tierstore::d2h"):
+            streams.d2h.wait_stream(producer)
+            with torch.cuda.stream(streams.d2h):
+                host.copy_(span, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(streams.d2h)
+        return HostCopy(host, ready, block)
+
+    def _host_pool(self) -> HostPool:
+        if self._pool is None:
+            with self._start_lock:
+                if self._closed:
+                    raise StoreClosedError("tierstore: this store is closed; its host pool is gone")
+                self._pool = HostPool(
+                    int(self._config.host_budget),
+                    int(self._config.host_pool_step),
+                    pin=self._config.pin_memory,
+                )
+        return self._pool
+
+    def device_copy(
+        self, span: torch.Tensor, device: torch.device, after: torch.cuda.Event | None = None
+    ) -> DeviceCopy:
+        """Start copying a host span to ``device``; ``after``: the D2H that fills ``span``.
+
+        On CPU (or when the span is already there) no copy is made.
+        """
+        if span.device == device:
+            return DeviceCopy(span, None)
+        if device.type != "cuda":
+            return DeviceCopy(span.to(device), None)
+        streams = self._streams_of(device)
+        consumer = torch.cuda.current_stream(device)
+        with torch.profiler.record_function("tierstore::h2d"):
+            out = torch.empty(span.shape, dtype=span.dtype, device=device)  # consumer's pool
+            streams.h2d.wait_stream(consumer)
+            if after is not None:
+                streams.h2d.wait_event(after)
+            with torch.cuda.stream(streams.h2d):
+                out.copy_(span, non_blocking=span.is_pinned())
+                ready = torch.cuda.Event()
+                ready.record(streams.h2d)
+        return DeviceCopy(out, ready)
+
+    @staticmethod
+    def consume(copy: DeviceCopy) -> torch.Tensor:
+        """The copied tensor, usable on the current stream (which waits for the copy)."""
+        if copy.ready is not None:
+            torch.cuda.current_stream(copy.tensor.device).wait_event(copy.ready)
+        return copy.tensor
+
+    @staticmethod
+    def done(event: torch.cuda.Event | None) -> bool:
+        """Whether a copy's event has completed (``None``: there was nothing to wait for)."""
+        return event is None or event.query()
+
+    def free_host(self, block: HostBlock | None) -> None:
+        """Give a pool block back once the copies issued so far have ended."""
+        if block is None:
+            return
+        events = []
+        for streams in self._streams.values():
+            for stream in (streams.d2h, streams.h2d):
+                event = torch.cuda.Event()
+                event.record(stream)
+                events.append(event)
+        self._returns.append((events, block))
+
+    def reclaim(self) -> None:
+        """Give back the pool blocks whose copies have all ended (cheap when none wait)."""
+        pool = self._pool
+        while self._returns and all(e.query() for e in self._returns[0][0]):
+            _, block = self._returns.popleft()
+            if pool is not None:
+                pool.give(block)
 
     # -- host <-> disk -------------------------------------------------------------
 
@@ -200,13 +374,17 @@ class Pipeline:
         key: int,
         span: torch.Tensor,
         done: Callable[[concurrent.futures.Future[Record]], None] | None = None,
+        ready: torch.cuda.Event | None = None,
     ) -> concurrent.futures.Future[Record]:
         """Encode ``span`` and write it under ``key`` in the background.
 
         ``span`` must stay unchanged until the future is done. ``done``, if
         given, runs on the I/O thread when the write ends; it must not block.
+        ``ready``: the D2H copy that fills ``span``; the write waits for it.
         """
-        future = asyncio.run_coroutine_threadsafe(self._write(key, span), self._running_loop())
+        future = asyncio.run_coroutine_threadsafe(
+            self._write(key, span, ready), self._running_loop()
+        )
         if done is not None:
             future.add_done_callback(done)
         return future
@@ -225,8 +403,10 @@ class Pipeline:
         """Free the disk record under ``key`` (on the caller's thread: it is bookkeeping)."""
         self._backend_or_open().delete(key)
 
-    async def _write(self, key: int, span: torch.Tensor) -> Record:
+    async def _write(self, key: int, span: torch.Tensor, ready: torch.cuda.Event | None) -> Record:
         backend = self._backend_or_open()
+        if ready is not None:  # NOTE [ Copies on CUDA ]: the bytes are still arriving
+            await _blocking(ready.synchronize)
         compression = self._config.compression
         if compression == "none":  # a header and a view of the span: nothing to offload
             frame = codec.encode(span)

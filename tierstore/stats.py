@@ -55,13 +55,19 @@ class Stats:
         kept: saves left on the device as they were (parameters, small
             tensors, ``tierstore.keep()``, ...).
         kept_bytes: bytes of those kept saves.
-        prefetch_hits: disk entries backward found read ahead (or still in
-            memory, their write not yet done).
-        prefetch_misses: disk entries backward had to read on demand.
-        bytes_prefetched: disk bytes read ahead of use.
-        unpack_wait_s: seconds backward waited for disk reads.
+        prefetch_hits: entries backward found read ahead: from disk (or
+            still in memory, their write not yet done), and on CUDA, host
+            entries already being copied back to the device.
+        prefetch_misses: entries backward had to read or copy on demand.
+        bytes_prefetched: bytes read or copied ahead of use.
+        unpack_wait_s: seconds backward waited for disk reads (a CUDA copy
+            is waited for by the stream, not the host: not counted).
         pack_wait_s: seconds forward waited for the write queue
             (``write_queue_bytes``) to drain.
+        host_pool_bytes: host memory the pool holds (pinned on CUDA; 0 on
+            CPU, where the host tier needs no copy).
+        host_pool_misses: copies off the device that found no room in the
+            pool and allocated their own host memory.
 
     Example:
         >>> import torch, tierstore
@@ -85,10 +91,12 @@ class Stats:
     bytes_prefetched: int = 0
     unpack_wait_s: float = 0.0
     pack_wait_s: float = 0.0
+    host_pool_bytes: int = 0
+    host_pool_misses: int = 0
 
     @property
     def prefetch_hit_rate(self) -> float | None:
-        """Hits over disk unpacks, or ``None`` before backward has read from disk."""
+        """Hits over unpacks that needed a read or copy, or ``None`` before any."""
         total = self.prefetch_hits + self.prefetch_misses
         return self.prefetch_hits / total if total else None
 
@@ -110,4 +118,9 @@ class Stats:
             + f", waited {self.unpack_wait_s:.3f} s in backward"
             + f", {self.pack_wait_s:.3f} s in forward"
         )
+        if self.host_pool_bytes or self.host_pool_misses:
+            rows.append(
+                f"host pool {human_bytes(self.host_pool_bytes)}, "
+                f"{self.host_pool_misses} allocations outside it"
+            )
         return "\n".join(rows)

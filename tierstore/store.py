@@ -40,7 +40,7 @@ from tierstore import codec
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.errors import StoreClosedError, TierFullError, TierstoreError
 from tierstore.handle import Handle
-from tierstore.pipeline import Pipeline, Record
+from tierstore.pipeline import DeviceCopy, HostBlock, Pipeline, Record
 from tierstore.schedule import Schedule
 from tierstore.stats import TIERS, Stats, Tier, TierStats
 
@@ -119,6 +119,7 @@ class _Entry:
     """One stored tensor and where its bytes rest now."""
 
     __slots__ = (
+        "block",
         "dedupe_key",
         "device",
         "footprint",
@@ -128,6 +129,7 @@ class _Entry:
         "loaded",
         "nbytes",
         "probe",
+        "ready",
         "record",
         "refs",
         "stale",
@@ -162,6 +164,10 @@ class _Entry:
         self.held: torch.Tensor | None = None
         self.dedupe_key: tuple[object, ...] | None = None
         self.writing: concurrent.futures.Future[Record] | None = None
+        # CUDA (NOTE [ Copies on CUDA ] in pipeline.py): the D2H copy filling
+        # self.tensor while it runs, and the pool block self.tensor lives in.
+        self.ready: torch.cuda.Event | None = None
+        self.block: HostBlock | None = None
         self.refs = 1
 
     def let_go_of_original(self) -> None:
@@ -254,7 +260,10 @@ class TierManager:
         self._writing: dict[int, _Entry] = {}  # NOTE [ Write-behind ]
         self._queued_bytes = 0
         self._failure: BaseException | None = None
-        self._window: dict[int, tuple[concurrent.futures.Future[torch.Tensor], int]] = {}
+        # Reads ahead: disk reads (futures) and, on CUDA, H2D copies of host entries.
+        self._window: dict[int, tuple[concurrent.futures.Future[torch.Tensor] | DeviceCopy, int]]
+        self._window = {}
+        self._copying: deque[_Entry] = deque()  # D2H copies under way, oldest first
         self._window_bytes = 0
         self._demand: dict[int, concurrent.futures.Future[torch.Tensor]] = {}
         self._packed = 0
@@ -354,7 +363,18 @@ class TierManager:
             if tier == "host":
                 span, layout = entry.span()
                 self._tiers["host"].read += entry.nbytes
-                return codec.from_span(self._pipeline.to_device(span, entry.device), layout)
+                if span.device == entry.device:  # CPU: the host tier is the device's memory
+                    return codec.from_span(span, layout)
+                ahead = self._window.pop(entry.key, None)
+                if ahead is not None and isinstance(ahead[0], DeviceCopy):
+                    self._window_bytes -= ahead[1]
+                    self._hits += 1
+                    copy = ahead[0]
+                else:
+                    self._misses += 1
+                    copy = self._pipeline.device_copy(span, entry.device, entry.ready)
+                self._top_up_window()
+                return codec.from_span(self._pipeline.consume(copy), layout)
             # Disk: NOTE [ Prefetch ].
             cached = entry.held
             if cached is None and entry.loaded is not None:
@@ -367,14 +387,16 @@ class TierManager:
                 self._window_bytes -= ahead[1]
             if cached is not None or in_memory is not None:
                 if ahead is not None:
-                    ahead[0].cancel()  # a read has no side effect: dropping it is safe
+                    self._drop_ahead(ahead[0])
                 self._hits += 1
                 self._top_up_window()
                 if cached is not None:
                     return cached
                 assert in_memory is not None
-                return codec.from_span(self._pipeline.to_device(in_memory, entry.device), layout)
+                copy = self._pipeline.device_copy(in_memory, entry.device, entry.ready)
+                return codec.from_span(self._pipeline.consume(copy), layout)
             if ahead is not None:
+                assert not isinstance(ahead[0], DeviceCopy)
                 self._hits += 1
                 future = ahead[0]
             else:
@@ -393,7 +415,8 @@ class TierManager:
             with self._lock:
                 self._unpack_wait += waited
                 self._demand.pop(entry.key, None)
-        out = codec.from_span(self._pipeline.to_device(span, entry.device), layout)
+        copy = self._pipeline.device_copy(span, entry.device)
+        out = codec.from_span(self._pipeline.consume(copy), layout)
         if entry.refs > 1:
             entry.held = out
         else:
@@ -418,6 +441,7 @@ class TierManager:
         with self._locked():
             self.check_open()
             self._wait_for([e.writing for k, e in self._writing.items() if k not in self._entries])
+            pool = self._pipeline.pool_if_open
             return Stats(
                 tiers={
                     name: TierStats(
@@ -438,6 +462,8 @@ class TierManager:
                 bytes_prefetched=self._prefetched_bytes,
                 unpack_wait_s=self._unpack_wait,
                 pack_wait_s=self._pack_wait,
+                host_pool_bytes=pool.reserved_bytes if pool is not None else 0,
+                host_pool_misses=pool.allocations_outside if pool is not None else 0,
             )
 
     def flush(self) -> None:
@@ -461,8 +487,12 @@ class TierManager:
             futures: list[concurrent.futures.Future[Any]] = [
                 e.writing for e in self._writing.values() if e.writing is not None
             ]
-            futures += [f for f, _ in self._window.values()]
+            futures += [f for f, _ in self._window.values() if not isinstance(f, DeviceCopy)]
             futures += list(self._demand.values())
+            for entry in self._copying:  # copies into host memory about to be freed
+                if entry.ready is not None:
+                    entry.ready.synchronize()
+            self._copying.clear()
         # Requests under way end first (their callbacks take no lock); then the
         # threads stop and the backend and its directory go.
         concurrent.futures.wait(futures)
@@ -509,10 +539,8 @@ class TierManager:
     def _hold(self, entry: _Entry, tier: Tier) -> None:
         if tier == "host" and entry.layout is None:
             span, layout = entry.span()
-            host = self._pipeline.to_host(span)
-            if host.untyped_storage().data_ptr() != span.untyped_storage().data_ptr():
-                entry.let_go_of_original()  # a copy: later changes cannot reach it
-            entry.tensor, entry.layout = host, layout
+            self._copy_to_host(entry, span)
+            entry.layout = layout
         entry.tier = tier
         self._tiers[tier].add(entry, entry.nbytes)
 
@@ -534,8 +562,8 @@ class TierManager:
                 f"{human_bytes(entry.nbytes)} needs {human_bytes(reserve)} more; raise "
                 f"disk_budget ({ENV_PREFIX}DISK_BUDGET)"
             )
-        host = self._pipeline.to_host(span)
-        entry.tensor, entry.layout = host, layout
+        self._copy_to_host(entry, span)
+        entry.layout = layout
         entry.tier = "disk"
         entry.footprint = reserve
         state.add(entry, reserve)
@@ -549,7 +577,40 @@ class TierManager:
                 entry.let_go_of_original()
                 entry.tensor = None  # the memory goes now, not at the next call
 
-        entry.writing = self._pipeline.submit_write(entry.key, host, written)
+        assert entry.tensor is not None
+        entry.writing = self._pipeline.submit_write(entry.key, entry.tensor, written, entry.ready)
+
+    def _copy_to_host(self, entry: _Entry, span: torch.Tensor) -> None:
+        """Rest ``entry``'s bytes in host memory: a copy off the device, or the span itself."""
+        copy = self._pipeline.host_copy(span)
+        if copy.tensor is span:
+            entry.tensor = span  # already host memory (CPU, or an entry on the host tier)
+            return
+        entry.tensor, entry.block = copy.tensor, copy.block
+        if copy.ready is None:
+            entry.let_go_of_original()  # a copy: later changes cannot reach it
+        else:
+            # NOTE [ Copies on CUDA ]: the source stays referenced (by the
+            # probe) until the copy has read it; _settle_copies lets go.
+            entry.ready = copy.ready
+            self._copying.append(entry)
+
+    def _settle_copies(self) -> None:
+        """Let go of sources whose D2H copies have ended; called with the lock held."""
+        while self._copying and self._pipeline.done(self._copying[0].ready):
+            entry = self._copying.popleft()
+            entry.ready = None
+            entry.let_go_of_original()
+        self._pipeline.reclaim()
+
+    def _drop_ahead(self, ahead: concurrent.futures.Future[torch.Tensor] | DeviceCopy) -> None:
+        """Forget a read ahead that is not needed (any more)."""
+        if isinstance(ahead, DeviceCopy):
+            # Its memory belongs to the consumer's stream: let that stream wait
+            # for the copy before the allocator may hand the memory out again.
+            self._pipeline.consume(ahead)
+        else:
+            ahead.cancel()  # a read has no side effect: dropping it is safe
 
     def _wait_for_queue(self) -> None:
         """Backpressure (NOTE [ Write-behind ]); called with the lock held."""
@@ -587,10 +648,15 @@ class TierManager:
                 if alive:
                     entry.tier = "host"
                     self._tiers["host"].add(entry, entry.nbytes)
+                else:
+                    self._pipeline.free_host(entry.block)
+                    entry.block = None
                 if error is not None and self._failure is None:
                     self._failure = error
                 continue
             record = future.result()
+            self._pipeline.free_host(entry.block)  # the bytes are on disk now
+            entry.block = None
             disk.bytes += record.footprint - entry.footprint  # the reservation was a bound
             disk.written += record.footprint - entry.footprint
             entry.footprint = record.footprint
@@ -615,10 +681,17 @@ class TierManager:
             if key is None:
                 return
             entry = self._entries.get(key)
+            if entry is None or key in self._window:
+                continue
+            if entry.tier == "host" and entry.device.type != "cpu":
+                span, _ = entry.span()
+                copy = self._pipeline.device_copy(span, entry.device, entry.ready)
+                self._window[key] = (copy, entry.nbytes)
+                self._window_bytes += entry.nbytes
+                self._prefetched_bytes += entry.nbytes
+                continue
             if (
-                entry is None
-                or entry.tier != "disk"
-                or key in self._window
+                entry.tier != "disk"
                 or key in self._demand
                 or entry.held is not None
                 or (entry.loaded is not None and entry.loaded() is not None)
@@ -679,6 +752,7 @@ class TierManager:
         if self._closed:
             self._pending.clear()
             return
+        self._settle_copies()
         self._harvest()
         while self._pending:
             self._release_locked(self._pending.popleft())
@@ -696,6 +770,7 @@ class TierManager:
         ahead = self._window.pop(key, None)
         if ahead is not None:
             self._window_bytes -= ahead[1]
+            self._drop_ahead(ahead[0])
         tier = entry.tier
         if key in self._writing:
             return  # _harvest frees it once the write has ended
@@ -704,4 +779,5 @@ class TierManager:
             state.remove(entry, state.size_of(entry, tier))
             if tier == "disk":
                 self._pipeline.delete(key)
-        entry.tensor = entry.probe = entry.held = None
+        self._pipeline.free_host(entry.block)
+        entry.tensor = entry.probe = entry.held = entry.block = None

@@ -55,7 +55,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from tierstore import codec
+from tierstore.bench.copies import bench_copies, format_copies
 from tierstore.bench.report import (
     NA,
     Progress,
@@ -833,6 +834,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeat", type=int, default=3, help="runs of every row; median times (default 3)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the data (default 0)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cuda: also time device <-> host copies through the pinned pool (default cpu)",
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a bar chart (PNG)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -852,7 +858,17 @@ def run(args: argparse.Namespace) -> int:
     """
     if args.plot:
         load_pyplot()  # fail before the benchmark runs, not after
+    if args.device not in ("cpu", "cuda"):
+        raise TierstoreError(f"tierstore: bench storage: --device {args.device} is not cpu or cuda")
     info = machine_info(Path(args.dir or tempfile.gettempdir()).absolute())
+    copies = []
+    if args.device == "cuda":
+        copies = bench_copies(
+            parse_size(args.total, "--total"),
+            [parse_size(s, "--sizes") for s in _csv(args.sizes)],
+            repeat=args.repeat,
+        )
+        info["gpu"] = torch.cuda.get_device_name()
     report = bench_storage(
         total_bytes=parse_size(args.total, "--total"),
         sizes=[parse_size(s, "--sizes") for s in _csv(args.sizes)],
@@ -869,6 +885,10 @@ def run(args: argparse.Namespace) -> int:
     print(_describe(report, info))
     print()
     print(format_storage(report))
+    if copies:
+        print()
+        print("device <-> host copies of the same tensors (GPU: " + info["gpu"] + ")")
+        print(format_copies(copies))
     if args.json:
         doc = {
             "benchmark": "storage",
@@ -877,6 +897,7 @@ def run(args: argparse.Namespace) -> int:
             "machine": info,
             "torch": torch.__version__,
             **report.as_dict(),
+            "copies": [asdict(c) for c in copies],
         }
         write_json(args.json, doc)
         print(f"JSON: {args.json}")

@@ -1,0 +1,84 @@
+"""The host pool: blocks carved from a few chunks, grown in steps, reused, bounded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierstore.backends.host import BLOCK_ALIGN, HostPool
+from tierstore.errors import StoreClosedError
+
+
+def test_blocks_are_aligned_views_of_one_chunk_and_reused() -> None:
+    pool = HostPool(capacity=1 << 20, step=1 << 20, pin=False)
+    a, b = pool.take(10), pool.take(BLOCK_ALIGN + 1)
+    assert a is not None and b is not None
+    assert (a.chunk, a.offset, a.length) == (0, 0, BLOCK_ALIGN)
+    assert (b.chunk, b.offset, b.length) == (0, BLOCK_ALIGN, 2 * BLOCK_ALIGN)
+    assert a.tensor.numel() == 10 and b.nbytes == BLOCK_ALIGN + 1
+    # Both are windows on the same allocation, so no new memory per entry.
+    base = a.tensor.untyped_storage().data_ptr()
+    assert b.tensor.untyped_storage().data_ptr() == base
+    assert b.tensor.data_ptr() - base == BLOCK_ALIGN
+    a.tensor.fill_(1)
+    b.tensor.fill_(2)
+    assert int(a.tensor.sum()) == 10  # b's bytes did not spill into a's
+    pool.give(b)
+    c = pool.take(100)
+    assert c is not None and (c.chunk, c.offset) == (0, BLOCK_ALIGN)  # b's place, again
+    assert pool.used_bytes == 2 * BLOCK_ALIGN
+    assert pool.reserved_bytes == 1 << 20
+    pool.close()
+
+
+def test_grows_by_step_up_to_capacity_then_declines() -> None:
+    step = 4 * BLOCK_ALIGN
+    pool = HostPool(capacity=10 * BLOCK_ALIGN, step=step, pin=False)
+    blocks = [pool.take(BLOCK_ALIGN) for _ in range(10)]
+    assert all(b is not None for b in blocks)
+    # Chunks of 4, 4 and the 2 pages the capacity leaves.
+    assert [b.chunk for b in blocks if b is not None] == [0] * 4 + [1] * 4 + [2] * 2
+    assert pool.reserved_bytes == 10 * BLOCK_ALIGN
+    assert pool.take(1) is None
+    assert pool.allocations_outside == 1
+    for b in blocks:
+        assert b is not None
+        pool.give(b)
+    assert pool.used_bytes == 0
+    assert pool.reserved_bytes == 10 * BLOCK_ALIGN  # chunks stay for the next step
+    again = pool.take(BLOCK_ALIGN)
+    assert again is not None and again.chunk == 0
+    pool.close()
+
+
+def test_a_block_larger_than_a_step_gets_its_own_chunk() -> None:
+    pool = HostPool(capacity=1 << 20, step=BLOCK_ALIGN, pin=False)
+    big = pool.take(3 * BLOCK_ALIGN - 5)
+    assert big is not None and big.length == 3 * BLOCK_ALIGN
+    assert pool.reserved_bytes == 3 * BLOCK_ALIGN
+    assert pool.take(2 << 20) is None  # larger than the whole capacity
+    pool.close()
+
+
+def test_close_is_idempotent_and_refuses_new_blocks() -> None:
+    pool = HostPool(capacity=1 << 20, step=1 << 16, pin=False)
+    block = pool.take(8)
+    assert block is not None
+    block.tensor.copy_(torch.arange(8, dtype=torch.uint8))
+    pool.close()
+    pool.close()
+    assert pool.reserved_bytes == 0
+    assert block.tensor.tolist() == list(range(8))  # a block handed out keeps its memory
+    pool.give(block)  # no-op once closed
+    with pytest.raises(StoreClosedError, match="the host pool is closed"):
+        pool.take(1)
+
+
+def test_double_give_is_refused() -> None:
+    pool = HostPool(capacity=1 << 20, step=1 << 16, pin=False)
+    a, b = pool.take(8), pool.take(8)
+    assert a is not None and b is not None
+    pool.give(a)
+    with pytest.raises(ValueError, match="overlaps a free extent"):
+        pool.give(a)
+    pool.close()

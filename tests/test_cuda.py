@@ -1,0 +1,269 @@
+"""The CUDA path: pinned pool, copy streams, device keep-window (skipped without a GPU).
+
+The placement, schedule and release logic these paths share with the CPU
+path is covered by the CPU tests; these check what only a GPU can show:
+stream ordering, buffer lifetimes and device memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tierstore
+
+EmptyCheck = Callable[[tierstore.TierStore], None]
+
+pytestmark = pytest.mark.requires_cuda
+
+CUDA = torch.device("cuda")
+MIB = 1 << 20
+
+
+def _host(**changes: Any) -> tierstore.TierConfig:
+    fields: dict[str, Any] = {
+        "device_budget": 0,
+        "host_budget": "512MiB",
+        "disk_budget": 0,
+        "min_offload_bytes": 0,
+        "host_pool_step": "64MiB",
+    }
+    return tierstore.TierConfig(**{**fields, **changes})
+
+
+CONFIGS: dict[str, Callable[[Path], tierstore.TierConfig]] = {
+    "host": lambda _: _host(),
+    "device-window": lambda _: _host(device_budget="2MiB"),
+    "pageable": lambda _: _host(pin_memory=False),
+    "host+disk": lambda root: _host(host_budget="1MiB", disk_budget="512MiB", disk_path=root),
+    "disk": lambda root: _host(host_budget=0, disk_budget="512MiB", disk_path=root),
+}
+
+
+@pytest.fixture(params=list(CONFIGS))
+def cuda_store(request: pytest.FixtureRequest, spill_root: Path) -> Iterator[tierstore.TierStore]:
+    store = tierstore.TierStore(CONFIGS[request.param](spill_root))
+    yield store
+    store.close()
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 4, dropout=0.1, batch_first=True)
+        self.fc = nn.Sequential(
+            nn.Linear(d, 4 * d), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * d, d)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.fc(x)
+
+
+def _transformer() -> tuple[nn.Module, list[torch.Tensor], Callable[..., torch.Tensor]]:
+    model = nn.Sequential(*(_Block(64) for _ in range(3))).to(CUDA)
+    x = torch.randn(4, 128, 64, device=CUDA, requires_grad=True)
+    return model, [x], lambda m, x: m(x).square().mean()
+
+
+def _cnn() -> tuple[nn.Module, list[torch.Tensor], Callable[..., torch.Tensor]]:
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 8, 3)
+    ).to(CUDA)
+    x = torch.randn(8, 3, 64, 64, device=CUDA)
+    return model, [x], lambda m, x: m(x).sum()
+
+
+def _autocast() -> tuple[nn.Module, list[torch.Tensor], Callable[..., torch.Tensor]]:
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).to(CUDA)
+    x = torch.randn(512, 256, device=CUDA)
+
+    def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return m(x).float().pow(2).mean()
+
+    return model, [x], loss
+
+
+@pytest.mark.parametrize("build", [_transformer, _cnn, _autocast])
+def test_gradients_bitwise_equal_on_cuda(
+    build: Callable[[], Any],
+    cuda_store: tierstore.TierStore,
+    compare_with_eager: Callable[..., tierstore.Stats],
+    empty_check: EmptyCheck,
+) -> None:
+    for _ in range(2):  # the second step replays the recorded schedule
+        stats = compare_with_eager(build, cuda_store)
+        assert stats.tiers["host"].bytes + stats.tiers["disk"].bytes > 0
+    empty_check(cuda_store)
+
+
+class _Delayed(torch.autograd.Function):
+    """y = x * w; saves both, and delays the GPU around every use of them."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.cuda._sleep(20_000_000)  # the consumer's stream runs late
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+
+def test_copies_wait_for_delayed_streams(
+    cuda_store: tierstore.TierStore, empty_check: EmptyCheck
+) -> None:
+    """A buffer freed, reused or read too early would change the gradients."""
+
+    def run(offload: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        x = torch.randn(1 << 20, device=CUDA, requires_grad=True)
+        w = torch.randn(1 << 20, device=CUDA, requires_grad=True)
+        ctx = (
+            cuda_store.offload()
+            if offload
+            else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        )
+        with ctx:
+            h = x
+            for _ in range(6):
+                torch.cuda._sleep(20_000_000)  # the producer's stream runs late
+                h = _Delayed.apply(h * 1.5, w)
+                # Memory freed here goes straight to the next tensor, filled
+                # while the copies may still be running.
+                junk = torch.full((1 << 20,), float("nan"), device=CUDA)
+                del junk
+        h.sum().backward()
+        assert x.grad is not None and w.grad is not None
+        return [x.grad, w.grad]
+
+    expected = run(offload=False)
+    got = run(offload=True)
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+    empty_check(cuda_store)
+
+
+class _ViewBack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(y)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (y,) = ctx.saved_tensors
+        return g, y.t().t()  # a view of the unpacked tensor is the gradient
+
+
+def test_backward_returns_a_view_of_an_unpacked_tensor(
+    cuda_store: tierstore.TierStore, empty_check: EmptyCheck
+) -> None:
+    x = torch.randn(512, 512, device=CUDA, requires_grad=True)
+    y = torch.randn(512, 512, device=CUDA, requires_grad=True)
+    source = (y * 2).detach()
+    with cuda_store.offload():
+        out = _ViewBack.apply(x, y * 2)
+    out.sum().backward()
+    assert y.grad is not None and torch.equal(y.grad, source * 2)
+    empty_check(cuda_store)
+
+
+def test_memory_after_forward_matches_no_grad_within_one_entry(empty_check: EmptyCheck) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(8)))
+    model = model.to(CUDA)
+    x = torch.randn(2048, 1024, device=CUDA)
+    entry = x.numel() * x.element_size()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        out = model(x)
+    no_grad = torch.cuda.memory_allocated() - before
+    del out
+
+    with tierstore.TierStore(_host()) as store:
+        with store.offload():
+            out = model(x)
+        torch.cuda.synchronize()
+        stats = store.stats()  # lets go of the sources whose copies have ended
+        offloaded = torch.cuda.memory_allocated() - before
+        assert stats.tiers["host"].entries == 16  # each Linear's input, each GELU's
+        assert stats.host_pool_bytes >= stats.tiers["host"].bytes > 0
+        assert offloaded - no_grad <= entry, (offloaded, no_grad)
+        out.sum().backward()
+        del out
+        torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        assert torch.cuda.memory_allocated() == before  # nothing left on the device
+        empty_check(store)
+        assert store._manager._pipeline.pool_if_open is not None
+        assert store._manager._pipeline.pool_if_open.used_bytes == 0
+
+
+def test_dedupe_keeps_one_pinned_copy(empty_check: EmptyCheck) -> None:
+    with tierstore.TierStore(_host()) as store:
+        x = torch.randn(1 << 20, device=CUDA, requires_grad=True)
+        with store.offload():
+            h = x * 2
+            y = h * h  # saves h twice
+        stats = store.stats()
+        assert (stats.deduplicated, stats.tiers["host"].entries) == (1, 1)
+        pool = store._manager._pipeline.pool_if_open
+        assert pool is not None and pool.pinned
+        assert pool.used_bytes == 4 * MIB
+        y.sum().backward()
+        assert x.grad is not None and torch.equal(x.grad, 8 * (x.detach() * 2))
+        empty_check(store)
+
+
+def test_device_window_keeps_the_newest_entries(empty_check: EmptyCheck) -> None:
+    with tierstore.TierStore(_host(device_budget="3MiB")) as store:
+        x = torch.randn(1 << 18, device=CUDA, requires_grad=True)  # 1 MiB
+        with store.offload():
+            h = x
+            saved = []
+            for _ in range(8):
+                h = h.sin()  # saves its 1 MiB input
+                saved.append(h)
+        stats = store.stats()
+        assert (stats.tiers["device"].entries, stats.tiers["host"].entries) == (3, 5)
+        resident = store._manager._tiers["device"].entries.values()
+        newest = sorted(store._manager._entries)[-3:]
+        assert sorted(e.key for e in resident) == newest
+        h.sum().backward()
+        expected = x.detach()
+        grad = torch.ones_like(expected)
+        for _ in range(8):
+            grad = grad * expected.cos()
+            expected = expected.sin()
+        assert x.grad is not None and torch.allclose(x.grad, grad)
+        empty_check(store)
+
+
+def test_second_step_prefetches_host_entries(empty_check: EmptyCheck) -> None:
+    with tierstore.TierStore(_host(prefetch_bytes="64MiB")) as store:
+        model = nn.Sequential(*(nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(6)))
+        model = model.to(CUDA)
+        x = torch.randn(1024, 512, device=CUDA)
+        for _ in range(2):
+            with store.offload():
+                loss = model(x).sum()
+            loss.backward()
+        stats = store.stats()
+        # The first unpack of each backward is a miss (nothing says forward
+        # ended); every other entry was already on its way.
+        assert stats.prefetch_misses <= 2
+        assert stats.prefetch_hits >= 2 * 12 - 2
+        assert stats.host_pool_misses == 0
+        empty_check(store)
