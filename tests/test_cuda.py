@@ -101,7 +101,7 @@ def test_gradients_bitwise_equal_on_cuda(
 ) -> None:
     for _ in range(2):  # the second step replays the recorded schedule
         stats = compare_with_eager(build, cuda_store)
-        assert stats.tiers["host"].bytes + stats.tiers["disk"].bytes > 0
+        assert sum(t.bytes for t in stats.tiers.values()) > 0
     empty_check(cuda_store)
 
 
@@ -223,7 +223,7 @@ def test_dedupe_keeps_one_pinned_copy(empty_check: EmptyCheck) -> None:
         assert pool is not None and pool.pinned
         assert pool.used_bytes == 4 * MIB
         y.sum().backward()
-        assert x.grad is not None and torch.equal(x.grad, 8 * (x.detach() * 2))
+        assert x.grad is not None and torch.equal(x.grad, 8 * x.detach())  # d/dx (2x)^2
         empty_check(store)
 
 

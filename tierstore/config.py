@@ -154,7 +154,8 @@ class TierConfig(BaseSettings):
     )
     write_queue_bytes: Size = Field(
         default=ByteSize(256 << 20),
-        description="Bytes of disk writes queued behind forward; past it, pack waits.",
+        description="Bytes of copies queued behind forward (disk writes; D2H copies on CUDA); "
+        "past it, pack waits.",
     )
     io_workers: int = Field(
         default=4, ge=1, le=64, description="Disk reads and writes in flight at once."

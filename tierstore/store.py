@@ -264,6 +264,7 @@ class TierManager:
         self._window: dict[int, tuple[concurrent.futures.Future[torch.Tensor] | DeviceCopy, int]]
         self._window = {}
         self._copying: deque[_Entry] = deque()  # D2H copies under way, oldest first
+        self._copying_bytes = 0
         self._window_bytes = 0
         self._demand: dict[int, concurrent.futures.Future[torch.Tensor]] = {}
         self._packed = 0
@@ -365,16 +366,7 @@ class TierManager:
                 self._tiers["host"].read += entry.nbytes
                 if span.device == entry.device:  # CPU: the host tier is the device's memory
                     return codec.from_span(span, layout)
-                ahead = self._window.pop(entry.key, None)
-                if ahead is not None and isinstance(ahead[0], DeviceCopy):
-                    self._window_bytes -= ahead[1]
-                    self._hits += 1
-                    copy = ahead[0]
-                else:
-                    self._misses += 1
-                    copy = self._pipeline.device_copy(span, entry.device, entry.ready)
-                self._top_up_window()
-                return codec.from_span(self._pipeline.consume(copy), layout)
+                return self._copy_back(entry, span, layout)
             # Disk: NOTE [ Prefetch ].
             cached = entry.held
             if cached is None and entry.loaded is not None:
@@ -493,6 +485,7 @@ class TierManager:
                 if entry.ready is not None:
                     entry.ready.synchronize()
             self._copying.clear()
+            self._copying_bytes = 0
         # Requests under way end first (their callbacks take no lock); then the
         # threads stop and the backend and its directory go.
         concurrent.futures.wait(futures)
@@ -594,11 +587,42 @@ class TierManager:
             # probe) until the copy has read it; _settle_copies lets go.
             entry.ready = copy.ready
             self._copying.append(entry)
+            self._copying_bytes += entry.nbytes
+
+    def _copy_back(self, entry: _Entry, span: torch.Tensor, layout: codec.Layout) -> torch.Tensor:
+        """A host entry back on its CUDA device (NOTE [ Prefetch ]); called with the lock held."""
+        cached = entry.held
+        if cached is None and entry.loaded is not None:
+            cached = entry.loaded()
+        ahead = self._window.pop(entry.key, None)
+        if ahead is not None:
+            self._window_bytes -= ahead[1]
+        if cached is not None:
+            if ahead is not None:
+                self._drop_ahead(ahead[0])
+            self._hits += 1
+            self._top_up_window()
+            return cached
+        if isinstance(ahead, tuple) and isinstance(ahead[0], DeviceCopy):
+            self._hits += 1
+            copy = ahead[0]
+        else:
+            self._misses += 1
+            copy = self._pipeline.device_copy(span, entry.device, entry.ready)
+        self._top_up_window()
+        out = codec.from_span(self._pipeline.consume(copy), layout)
+        # As for disk entries: one tensor serves every handle of a deduplicated entry.
+        if entry.refs > 1:
+            entry.held = out
+        else:
+            entry.loaded = weakref.ref(out)
+        return out
 
     def _settle_copies(self) -> None:
         """Let go of sources whose D2H copies have ended; called with the lock held."""
         while self._copying and self._pipeline.done(self._copying[0].ready):
             entry = self._copying.popleft()
+            self._copying_bytes -= entry.nbytes
             entry.ready = None
             entry.let_go_of_original()
         self._pipeline.reclaim()
@@ -617,6 +641,19 @@ class TierManager:
         limit = int(self.config.write_queue_bytes)
         while self._queued_bytes > limit:
             self._pack_wait += self._wait_for([self._writing[min(self._writing)].writing])
+        # D2H copies too: their sources stay on the device until copied, so a
+        # forward that outruns PCIe would otherwise keep every one of them.
+        while self._copying_bytes > limit:
+            ready = self._copying[0].ready
+            start = time.perf_counter()
+            if ready is not None:
+                self._lock.release()
+                try:
+                    ready.synchronize()
+                finally:
+                    self._lock.acquire()
+            self._settle_copies()
+            self._pack_wait += time.perf_counter() - start
 
     def _wait_for(self, futures: list[concurrent.futures.Future[Record] | None]) -> float:
         """Wait for writes with the lock released, then settle them; returns seconds waited."""
@@ -684,6 +721,8 @@ class TierManager:
             if entry is None or key in self._window:
                 continue
             if entry.tier == "host" and entry.device.type != "cpu":
+                if entry.held is not None or (entry.loaded is not None and entry.loaded()):
+                    continue
                 span, _ = entry.span()
                 copy = self._pipeline.device_copy(span, entry.device, entry.ready)
                 self._window[key] = (copy, entry.nbytes)
