@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import array
 import errno
+import fcntl
+import gc
 import itertools
+import mmap
 import os
 import random
 import re
@@ -41,9 +44,55 @@ from tierstore.errors import (
 )
 
 
+def refuse_o_direct(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make opening with O_DIRECT fail as on a filesystem without it (EINVAL)."""
+    real_open = os.open
+
+    def open_(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+
+
+def direct_backend(path: Path, capacity: int) -> FileBackend:
+    """A backend on the O_DIRECT path, or a skip naming the filesystem that refuses it."""
+    b = FileBackend(path, capacity)
+    if not b.direct:
+        b.close()
+        pytest.skip(f"the filesystem of {path} refuses O_DIRECT (tmpfs on older kernels does)")
+    return b
+
+
+#: The paths every I/O test runs on: buffered (O_DIRECT refused), O_DIRECT,
+#: and O_DIRECT with bounce buffers of two blocks, so that small records
+#: already span several chunks.
+IO_PATHS = ["buffered", "direct", "direct-2-block-chunks"]
+
+
+@pytest.fixture(params=IO_PATHS)
+def backend(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[FileBackend]:
+    if request.param == "buffered":
+        with monkeypatch.context() as m:
+            refuse_o_direct(m)
+            b = FileBackend(tmp_path, 4 * MiB)
+        assert not b.direct
+    else:
+        if request.param == "direct-2-block-chunks":
+            monkeypatch.setattr(file_backend, "_CHUNK", 2 * ALIGN)
+        b = direct_backend(tmp_path, 4 * MiB)
+    yield b
+    b.close()
+
+
 @pytest.fixture
-def backend(tmp_path: Path) -> Iterator[FileBackend]:
-    b = FileBackend(tmp_path, 4 * MiB)
+def buffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FileBackend]:
+    with monkeypatch.context() as m:
+        refuse_o_direct(m)
+        b = FileBackend(tmp_path, 4 * MiB)
     yield b
     b.close()
 
@@ -270,8 +319,9 @@ def test_more_chunks_than_iov_max(backend: FileBackend) -> None:
 
 
 def test_short_writes_and_reads_are_resumed(
-    backend: FileBackend, monkeypatch: pytest.MonkeyPatch
+    buffered: FileBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    backend = buffered
     real_pwritev, real_preadv = os.pwritev, os.preadv
 
     def clip(buffers: list[Any], limit: int) -> list[memoryview]:
@@ -584,3 +634,333 @@ def test_close_waits_for_io_in_flight(
     closer.join(10)
     assert not closer.is_alive()
     assert not backend.directory.exists()
+
+
+# -- O_DIRECT and its fallback ---------------------------------------------------------
+
+
+def _open_fds() -> set[str]:
+    gc.collect()  # descriptors of backends other tests dropped close now, not mid-test
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _o_direct_accepted(directory: Path) -> bool:
+    # An independent probe: an aligned write and read through O_DIRECT in ``directory``.
+    path = directory / "probe.bin"
+    buf = mmap.mmap(-1, ALIGN)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        os.pwritev(fd, [buf], 0)
+        return os.preadv(fd, [buf], 0) == ALIGN
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        path.unlink()
+        buf.close()
+
+
+def test_direct_where_the_filesystem_accepts_it(tmp_path: Path) -> None:
+    accepted = _o_direct_accepted(tmp_path)
+    b = FileBackend(tmp_path, 1 * MiB)
+    assert b.direct is accepted
+    if accepted:
+        assert fcntl.fcntl(b._direct_fd, fcntl.F_GETFL) & os.O_DIRECT
+    assert not fcntl.fcntl(b._fd, fcntl.F_GETFL) & os.O_DIRECT
+    b.close()
+
+
+def test_fallback_when_the_open_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _open_fds()
+    refuse_o_direct(monkeypatch)
+    b = FileBackend(tmp_path, 1 * MiB)
+    assert not b.direct
+    data = random.Random(2).randbytes(3 * ALIGN + 5)
+    b.write(1, [data])
+    assert read(b, 1, [len(data)]) == data
+    assert b._pool.created == 0  # the buffered path needs no bounce buffer
+    b.close()
+    assert _open_fds() == before
+
+
+def test_fallback_when_the_first_direct_write_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Some filesystems (FUSE, network ones) accept the open and fail the I/O.
+    real_pwritev = os.pwritev
+    refused: list[int] = []
+
+    def pwritev(fd: int, buffers: list[Any], offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_pwritev(fd, buffers, offset)
+
+    before = _open_fds()
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    b = FileBackend(tmp_path, 1 * MiB)
+    if not refused:
+        b.close()
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT at the open already")
+    assert not b.direct
+    # The lock file and the buffered fd: the O_DIRECT one was closed again.
+    assert len(_open_fds() - before) == 2
+    b.write(1, [b"buffered after all"])
+    assert read(b, 1, [18]) == b"buffered after all"
+    b.close()
+    assert _open_fds() == before
+
+
+def test_fallback_when_the_probe_reads_back_other_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: ALIGN)  # reads nothing
+    b = FileBackend(tmp_path, 1 * MiB)
+    assert not b.direct
+    b.close()
+
+
+def test_no_probe_without_room_for_a_block(tmp_path: Path) -> None:
+    b = FileBackend(tmp_path, ALIGN - 1)
+    assert (b.capacity_bytes, b.direct) == (0, False)
+    b.close()
+
+
+SIZES = [0, 1, ALIGN - 1, ALIGN, ALIGN + 1, 5 * ALIGN + 7]
+
+
+@pytest.mark.parametrize("path", ["buffered", "direct"])
+@pytest.mark.parametrize("chunk", [2 * ALIGN, file_backend._CHUNK])
+def test_round_trips_of_odd_sizes_and_alignments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str, chunk: int
+) -> None:
+    monkeypatch.setattr(file_backend, "_CHUNK", chunk)
+    # Around the chunk size too: a record that ends just before, at and after
+    # a chunk boundary, and one that spans more than two chunks.
+    sizes = [*SIZES, chunk - 1, chunk, chunk + 1, 2 * chunk + ALIGN + 3]
+    capacity = sum(file_backend.ALIGN + s for s in sizes) * 2
+    if path == "buffered":
+        with monkeypatch.context() as m:
+            refuse_o_direct(m)
+            b = FileBackend(tmp_path, capacity)
+    else:
+        b = direct_backend(tmp_path, capacity)
+    rng = random.Random(chunk)
+    written = {}
+    for key, size in enumerate(sizes):
+        data = rng.randbytes(size)
+        # Sources at odd addresses: a read-only header, then writable slices
+        # of a bytearray that start 1..7 bytes past an aligned address.
+        skew = key % 7 + 1
+        backing = bytearray(skew) + bytearray(data)
+        body = memoryview(backing)[skew:]
+        cut = min(size, 13)
+        third = cut + (size - cut) // 3
+        assert b.write(key, [data[:cut], body[cut:third], body[third:]]) == b.footprint(size)
+        written[key] = data
+    for key, data in written.items():
+        # Targets at odd addresses too, cut at other places than the writes.
+        skew = key % 5 + 3
+        backing = bytearray(skew + len(data))
+        out = memoryview(backing)[skew:]
+        cuts = sorted({0, len(data), min(len(data), 1), len(data) // 2})
+        b.read_into(key, [out[a:c] for a, c in itertools.pairwise(cuts)])
+        assert bytes(out) == data, f"record {key} of {len(data)} bytes"
+        assert bytes(backing[:skew]) == bytes(skew)  # nothing written before the target
+    assert b.direct is (path == "direct")
+    if b.direct and chunk < max(sizes):
+        assert b._pool.created >= 1
+    b.close()
+
+
+def test_direct_padding_is_zeros_and_spares_the_neighbours(tmp_path: Path) -> None:
+    b = direct_backend(tmp_path, 4 * ALIGN)  # full after 1 and 2: 3 and 4 reuse 1's blocks
+    b.write(1, [b"\xff" * (2 * ALIGN)])
+    b.write(2, [b"\xee" * (2 * ALIGN)])
+    b.delete(1)
+    b.write(3, [b"abc"])  # reuses the first block of 1, leaves its second alone
+    b.write(4, [b"\xdd" * 10])  # takes 1's second block
+    with open(b.directory / "entries.bin", "rb") as f:
+        head = f.read(4 * ALIGN)
+    assert head[:ALIGN] == b"abc" + bytes(ALIGN - 3)
+    assert head[ALIGN : 2 * ALIGN] == b"\xdd" * 10 + bytes(ALIGN - 10)
+    assert head[2 * ALIGN :] == b"\xee" * (2 * ALIGN)
+    assert read(b, 2, [2 * ALIGN]) == b"\xee" * (2 * ALIGN)
+    b.close()
+
+
+def test_short_direct_writes_and_reads_are_resumed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(file_backend, "_CHUNK", 8 * ALIGN)
+    b = direct_backend(tmp_path, 1 * MiB)
+    real_pwritev, real_preadv = os.pwritev, os.preadv
+    calls = {"w": 0, "r": 0}
+
+    def short_pwritev(fd: int, buffers: list[Any], offset: int) -> int:
+        calls["w"] += 1
+        return real_pwritev(fd, [memoryview(buffers[0])[: 3 * ALIGN]], offset)
+
+    def short_preadv(fd: int, buffers: list[Any], offset: int) -> int:
+        calls["r"] += 1
+        return real_preadv(fd, [memoryview(buffers[0])[:ALIGN]], offset)
+
+    monkeypatch.setattr(os, "pwritev", short_pwritev)
+    monkeypatch.setattr(os, "preadv", short_preadv)
+    data = random.Random(3).randbytes(20 * ALIGN + 99)
+    b.write(1, [data])
+    assert read(b, 1, [len(data)]) == data
+    assert calls == {"w": 3 + 3 + 2, "r": 21}  # chunks of 8, 8 and 5 blocks
+    b.close()
+
+
+def test_truncated_inside_a_block_is_corrupt(backend: FileBackend) -> None:
+    backend.write(1, [bytes(ALIGN)])
+    backend.write(2, [bytes(3 * ALIGN)])
+    path = backend.directory / "entries.bin"
+    os.truncate(path, ALIGN + 100)
+    with pytest.raises(CorruptDataError) as info:
+        read(backend, 2, [3 * ALIGN])
+    assert str(info.value) == (
+        f"tierstore: entry 2 in the disk tier ({path}) ends early: the file ends after "
+        f"100 of its {3 * ALIGN} bytes at offset {ALIGN}; "
+        "the file was truncated outside tierstore"
+    )
+
+
+def test_failed_direct_read_names_the_file_and_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = direct_backend(tmp_path, 1 * MiB)
+    b.write(1, [b"x" * 100])
+    cause = OSError(errno.EIO, os.strerror(errno.EIO))
+
+    def broken(fd: int, buffers: list[Any], offset: int) -> int:
+        raise cause
+
+    monkeypatch.setattr(os, "preadv", broken)
+    with pytest.raises(TierstoreError) as info:
+        read(b, 1, [100])
+    assert str(info.value) == (
+        f"tierstore: reading entry 1 from {b.directory / 'entries.bin'} failed: "
+        "[Errno 5] Input/output error; check the disk under disk_path (TIERSTORE_DISK_PATH)"
+    )
+    assert info.value.__cause__ is cause
+    monkeypatch.undo()
+    assert read(b, 1, [100]) == b"x" * 100
+    b.close()
+
+
+def test_concurrent_direct_io_shares_a_bounded_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(file_backend, "_CHUNK", 4 * ALIGN)
+    monkeypatch.setattr(file_backend, "_MAX_BUFFERS", 3)
+    b = direct_backend(tmp_path, 16 * MiB)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def worker(tid: int) -> None:
+        rng = random.Random(tid)
+        try:
+            barrier.wait(10)
+            for i in range(40):
+                key = tid * 1000 + i
+                data = rng.randbytes(rng.randrange(0, 30 * ALIGN))
+                skew = rng.randrange(1, 64)
+                src = memoryview(bytearray(skew) + bytearray(data))[skew:]
+                b.write(key, [data[:5], src[5:]])
+                assert read(b, key, [len(data) // 3, len(data) - len(data) // 3]) == data
+                if i % 2:
+                    b.delete(key)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert 1 <= b._pool.created <= 3
+    b.close()
+
+
+def test_close_unmaps_the_bounce_buffers_and_the_direct_descriptor(tmp_path: Path) -> None:
+    before = _open_fds()
+    b = direct_backend(tmp_path, 1 * MiB)
+    assert len(_open_fds() - before) == 3  # the lock file, the buffered and the O_DIRECT fd
+    b.write(1, [bytes(5 * ALIGN)])
+    read(b, 1, [5 * ALIGN])
+    buffers = b._pool.buffers
+    assert len(buffers) == 1 and not buffers[0].closed
+    b.close()
+    assert all(buf.closed for buf in buffers)
+    assert _open_fds() == before
+    b.close()  # idempotent
+    assert _open_fds() == before
+
+
+def test_dropped_backend_releases_everything(tmp_path: Path) -> None:
+    before = _open_fds()
+    b = direct_backend(tmp_path, 1 * MiB)
+    b.write(1, [b"left open"])
+    buffers, directory = b._pool.buffers, b.directory
+    assert buffers
+    del b
+    gc.collect()
+    assert all(buf.closed for buf in buffers)
+    assert _open_fds() == before
+    assert not directory.exists()
+
+
+def test_direct_backend_does_all_its_io_with_o_direct(
+    backend: FileBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_pwritev, real_preadv = os.pwritev, os.preadv
+    flags: list[tuple[str, bool]] = []
+
+    def pwritev(fd: int, buffers: list[Any], offset: int) -> int:
+        flags.append(("w", bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
+        return real_pwritev(fd, buffers, offset)
+
+    def preadv(fd: int, buffers: list[Any], offset: int) -> int:
+        flags.append(("r", bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    monkeypatch.setattr(os, "preadv", preadv)
+    data = random.Random(4).randbytes(3 * ALIGN + 1)
+    backend.write(1, [data[:7], data[7:]])
+    assert read(backend, 1, [len(data)]) == data
+    assert {kind for kind, _ in flags} == {"w", "r"}
+    assert {direct for _, direct in flags} == {backend.direct}
+
+
+def test_direct_read_that_stops_inside_a_block_is_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Where the file ends inside a block, O_DIRECT returns the part block; a
+    # filesystem may then refuse the next, unaligned read (EINVAL) instead of
+    # returning 0, and that must still read as a truncated file.
+    b = direct_backend(tmp_path, 1 * MiB)
+    b.write(1, [bytes(3 * ALIGN)])
+    real_preadv = os.preadv
+
+    def preadv(fd: int, buffers: list[Any], offset: int) -> int:
+        if offset % ALIGN:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return min(real_preadv(fd, buffers, offset), 100)  # as if the file ended there
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    with pytest.raises(CorruptDataError) as info:
+        read(b, 1, [3 * ALIGN])
+    assert str(info.value) == (
+        f"tierstore: entry 1 in the disk tier ({b.directory / 'entries.bin'}) ends early: "
+        f"the file ends after 100 of its {3 * ALIGN} bytes at offset 0; "
+        "the file was truncated outside tierstore"
+    )
+    b.close()
