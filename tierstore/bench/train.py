@@ -178,7 +178,9 @@ class TrainSettings:
     """What ``bench train`` runs: the model, the steps, the strategies, where files go.
 
     ``disk_budget_bytes=None`` sizes the tierstore disk tier from a counting
-    pass: 1.5 times the bytes the forward saves, plus 64 MiB.
+    pass: 1.5 times the activation bytes the forward saves, plus 64 MiB;
+    ``tierstore-host-disk`` gets a third of that as its host budget (half
+    the activations), so the other half goes on to disk.
     ``memory_pass=False`` skips the CPU memory pass (NOTE [ What bench train
     measures ]): memory is then the timed steps' RSS on the default allocator.
 
@@ -887,7 +889,8 @@ def bench_train(settings: TrainSettings, *, show_progress: bool = True) -> Train
     saved_all, saved_activations = _saved_bytes(model, _tokens(settings, 0, device))
     budget = settings.disk_budget_bytes
     if budget is None:
-        budget = -(-(saved_all * 3 // 2 + 64 * _MIB) // _MIB) * _MIB
+        # Parameters are never offloaded: only the activations need room.
+        budget = -(-(saved_activations * 3 // 2 + 64 * _MIB) // _MIB) * _MIB
 
     cuda = device.type == "cuda"
     memory_pass = settings.memory_pass and not cuda
