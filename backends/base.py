@@ -145,6 +145,11 @@ class Backend(abc.ABC, Generic[Place]):
             self._check_open()
             return self._used
 
+    @property
+    def io_path(self) -> str:
+        """How bytes reach the disk, for ``Stats.disk_io``: the backend's name by default."""
+        return self.name
+
     def footprint(self, nbytes: int) -> int:
         """Bytes a record of ``nbytes`` would take from :attr:`capacity_bytes`."""
         return self._footprint(nbytes)

@@ -176,6 +176,11 @@ class FileBackend(Backend[int]):
         """Whether I/O bypasses the page cache: ``NOTE [ File backend O_DIRECT ]``."""
         return self._direct_fd is not None
 
+    @property
+    def io_path(self) -> str:
+        """``"file: O_DIRECT"`` or ``"file: buffered"`` (the fallback)."""
+        return "file: O_DIRECT" if self.direct else "file: buffered"
+
     def _open_direct(self) -> int | None:
         # An O_DIRECT descriptor on entries.bin, or None where the filesystem
         # refuses one. Some accept the open and fail the first I/O (EINVAL),

@@ -250,3 +250,23 @@ def test_handle_metadata() -> None:
     h = Handle(7, t)
     assert (h.key, h.shape, h.stride, h.dtype, h.version) == (7, (5, 3), (1, 5), torch.float32, 0)
     assert h.source() is t
+
+
+@pytest.mark.parametrize("backend", ["file", "lmdb"])
+def test_stats_say_how_the_disk_tier_moves_bytes(backend: str, spill_root: Path) -> None:
+    config = tierstore.TierConfig(
+        device_budget=0,
+        host_budget=0,
+        disk_budget="8MiB",
+        disk_path=spill_root,
+        disk_backend=backend,
+    )
+    with tierstore.TierStore(config) as store:
+        assert store.stats().disk_io is None  # nothing spilled: no backend opened
+        handle = store._manager.put(torch.ones(1024))
+        io = store.stats().disk_io
+        direct = store._manager._pipeline.backend_if_open.direct if backend == "file" else None
+        expected = {"lmdb": "lmdb", "file": "file: O_DIRECT" if direct else "file: buffered"}
+        assert io == expected[backend]
+        assert f"disk I/O: {io}" in str(store.stats())
+        del handle

@@ -68,6 +68,11 @@ class Stats:
             CPU, where the host tier needs no copy).
         host_pool_misses: copies off the device that found no room in the
             pool and allocated their own host memory.
+        disk_io: how the disk tier moves bytes: ``"file: O_DIRECT"``,
+            ``"file: buffered"`` (the filesystem refused O_DIRECT) or
+            ``"lmdb"``; ``None`` until the disk tier is first used. Bytes to
+            and from a GPU pass through pinned host memory (GPUDirect
+            Storage is not used).
 
     Example:
         >>> import torch, tierstore
@@ -93,6 +98,7 @@ class Stats:
     pack_wait_s: float = 0.0
     host_pool_bytes: int = 0
     host_pool_misses: int = 0
+    disk_io: str | None = None
 
     @property
     def prefetch_hit_rate(self) -> float | None:
@@ -118,6 +124,8 @@ class Stats:
             + f", waited {self.unpack_wait_s:.3f} s in backward"
             + f", {self.pack_wait_s:.3f} s in forward"
         )
+        if self.disk_io is not None:
+            rows.append(f"disk I/O: {self.disk_io}")
         if self.host_pool_bytes or self.host_pool_misses:
             rows.append(
                 f"host pool {human_bytes(self.host_pool_bytes)}, "

@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -401,7 +401,8 @@ class TierManager:
             self._top_up_window()
         start = time.perf_counter()
         try:
-            span = future.result()  # outside the lock: NOTE [ Movers ]
+            with torch.profiler.record_function("tierstore::unpack_wait"):
+                span = future.result()  # outside the lock: NOTE [ Movers ]
         finally:
             waited = time.perf_counter() - start
             with self._lock:
@@ -434,6 +435,7 @@ class TierManager:
             self.check_open()
             self._wait_for([e.writing for k, e in self._writing.items() if k not in self._entries])
             pool = self._pipeline.pool_if_open
+            backend = self._pipeline.backend_if_open
             return Stats(
                 tiers={
                     name: TierStats(
@@ -456,6 +458,7 @@ class TierManager:
                 pack_wait_s=self._pack_wait,
                 host_pool_bytes=pool.reserved_bytes if pool is not None else 0,
                 host_pool_misses=pool.allocations_outside if pool is not None else 0,
+                disk_io=backend.io_path if backend is not None else None,
             )
 
     def flush(self) -> None:
@@ -647,11 +650,7 @@ class TierManager:
             ready = self._copying[0].ready
             start = time.perf_counter()
             if ready is not None:
-                self._lock.release()
-                try:
-                    ready.synchronize()
-                finally:
-                    self._lock.acquire()
+                self._unlocked(ready.synchronize)
             self._settle_copies()
             self._pack_wait += time.perf_counter() - start
 
@@ -660,13 +659,18 @@ class TierManager:
         pending = [f for f in futures if f is not None and not f.done()]
         start = time.perf_counter()
         if pending:
-            self._lock.release()
-            try:
-                concurrent.futures.wait(pending)
-            finally:
-                self._lock.acquire()
+            self._unlocked(lambda: concurrent.futures.wait(pending))
         self._harvest()
         return time.perf_counter() - start
+
+    def _unlocked(self, wait: Callable[[], object]) -> None:
+        """Run ``wait`` with the lock released (forward waiting on copies or writes)."""
+        self._lock.release()
+        try:
+            with torch.profiler.record_function("tierstore::pack_wait"):
+                wait()
+        finally:
+            self._lock.acquire()
 
     def _harvest(self) -> None:
         """Settle finished writes (NOTE [ Write-behind ]); called with the lock held."""
