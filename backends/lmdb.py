@@ -156,6 +156,9 @@ class LmdbBackend(Backend[bytes]):
                 lock=True,
                 max_dbs=0,
                 meminit=False,
+                # writemap stays off: it wrote about 30% faster here, but into
+                # a sparse map file, where a full disk is a SIGBUS in the
+                # middle of a memcpy instead of an ENOSPC from write(2).
                 mode=0o600,
             )
         except (OSError, lmdb.Error) as e:
