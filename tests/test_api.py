@@ -25,6 +25,7 @@ EXPORTED = {
     "TierstoreError",
     "__version__",
     "keep",
+    "keep_module",
     "load_config",
     "offload",
 }

@@ -576,3 +576,47 @@ def test_nested_and_zero_tensors_are_kept(disk_store: tierstore.TierStore) -> No
     y.backward(torch.nested.nested_tensor([torch.ones(3, 4), torch.ones(5, 4)]))
     w.sum().backward()
     assert torch.equal(x.grad, torch.zeros(4, 4))
+
+
+def test_keep_module_keeps_only_that_modules_saves(
+    any_store: tierstore.TierStore, compare_with_eager: Callable[..., tierstore.Stats]
+) -> None:
+    def build() -> tuple[nn.Module, list[torch.Tensor], Callable[..., torch.Tensor]]:
+        model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+        return model, [torch.randn(32, 64)], lambda m, x: m(x).square().mean()
+
+    handles: list[Any] = []
+
+    def build_kept() -> tuple[nn.Module, list[torch.Tensor], Callable[..., torch.Tensor]]:
+        model, inputs, loss = build()
+        handles.append(tierstore.keep_module(model[2]))
+        return model, inputs, loss
+
+    plain = compare_with_eager(build, any_store)
+    kept = compare_with_eager(build_kept, any_store)
+    # Counters add up over both runs. The head saves its input (32x64 floats)
+    # and weight.t() (a parameter view, kept either way): only the input moves
+    # from an offload tier to "kept".
+    assert (kept.kept - plain.kept) - plain.kept == 1
+    assert (kept.kept_bytes - plain.kept_bytes) - plain.kept_bytes == 32 * 64 * 4
+    for handle in handles:
+        handle.remove()
+        handle.remove()  # idempotent
+
+
+def test_keep_module_leaves_keep_even_when_forward_raises(disk_store: tierstore.TierStore) -> None:
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("boom")
+
+    boom = Boom()
+    handle = tierstore.keep_module(boom)
+    x = torch.randn(128, 128, requires_grad=True)
+    with disk_store.offload():
+        with pytest.raises(ValueError, match="boom"):
+            boom(x)
+        y = x.exp()  # after the failed forward: offloaded again
+    stats = disk_store.stats()
+    assert (stats.kept, stats.tiers["disk"].entries) == (0, 1)
+    handle.remove()
+    y.sum().backward()

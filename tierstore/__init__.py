@@ -24,7 +24,7 @@ from tierstore.errors import (
     TierFullError,
     TierstoreError,
 )
-from tierstore.hooks import TierStore, keep, offload
+from tierstore.hooks import TierStore, keep, keep_module, offload
 from tierstore.stats import Stats, TierStats
 
 __version__ = "0.1.0"
@@ -41,6 +41,7 @@ __all__ = [
     "TierstoreError",
     "__version__",
     "keep",
+    "keep_module",
     "load_config",
     "offload",
 ]

@@ -36,7 +36,7 @@ from tierstore.handle import Handle
 from tierstore.stats import Stats
 from tierstore.store import TierManager, resting_nbytes
 
-__all__ = ["TierStore", "keep", "offload"]
+__all__ = ["TierStore", "keep", "keep_module", "offload"]
 
 # NOTE [ What stays on the device ]
 # Offloading a tensor pays only if the copy lets its memory go. These are kept
@@ -121,6 +121,55 @@ def keep() -> Iterator[None]:
         yield
     finally:
         _local.keep -= 1
+
+
+class _KeepModule:
+    """The hooks :func:`keep_module` put on a module; :meth:`remove` takes them off."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._depth_at_entry: list[int] = []
+        self._handles = [
+            module.register_forward_pre_hook(self._enter),
+            # always_call: a forward that raises still leaves the keep() block.
+            module.register_forward_hook(self._leave, always_call=True),
+        ]
+
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        self._depth_at_entry.append(_keep_depth())
+        _local.keep = _keep_depth() + 1
+
+    def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._depth_at_entry:
+            _local.keep = self._depth_at_entry.pop()
+
+    def remove(self) -> None:
+        """Stop keeping this module's saved tensors on the device. Idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def keep_module(module: torch.nn.Module) -> _KeepModule:
+    """Keep every tensor saved inside ``module``'s forward on the device, as :func:`keep` does.
+
+    For modules whose saved tensors backward needs first or that are cheap
+    to keep, such as the output head. Returns a handle whose ``remove()``
+    undoes it. Thread-local, like :func:`keep`: it applies to the thread
+    that runs the forward.
+
+    Example:
+        >>> import torch, tierstore
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(),
+        ...                             torch.nn.Linear(16, 4))
+        >>> handle = tierstore.keep_module(model[2])
+        >>> store = tierstore.TierStore(tierstore.TierConfig(min_offload_bytes=0, disk_budget=0))
+        >>> with store.offload():
+        ...     out = model(torch.randn(8, 16))
+        >>> store.stats().kept  # the head's input stays; its weight is a parameter
+        2
+        >>> out.sum().backward(); handle.remove(); store.close()
+    """
+    return _KeepModule(module)
 
 
 class _Kept:
