@@ -95,6 +95,12 @@ def test_every_strategy_matches_none_bitwise(
             assert len(tiers["t_s"]) == len(tiers["disk"]) >= 2 and max(tiers["disk"]) > 0
             rate = r["prefetch"]["hit_rate"]
             assert rate is None or 0.0 <= rate <= 1.0
+        elif name == "checkpoint+tierstore":
+            # Only the block inputs are offloaded: less than full offload writes.
+            disk = r["tiers"]["disk"]
+            full = next(x for x in doc["rows"] if x["name"] == "tierstore-file")
+            assert 0 < disk["written_per_step"] < full["tiers"]["disk"]["written_per_step"]
+            assert r["config"]["disk_backend"] == "file"
         else:
             assert r["tiers"] is None and r["prefetch"] is None, name
             assert r["timeline"]["tiers"] == {}, name
