@@ -13,11 +13,15 @@ ROOT = Path(__file__).resolve().parent.parent
 MODULES = [
     "tierstore",
     "tierstore.backends",
+    "tierstore.backends._aligned",
+    "tierstore.backends._extents",
     "tierstore.backends._spill",
     "tierstore.backends.base",
     "tierstore.backends.file",
+    "tierstore.backends.host",
     "tierstore.backends.lmdb",
     "tierstore.bench.cli",
+    "tierstore.bench.copies",
     "tierstore.bench.gpt",
     "tierstore.bench.report",
     "tierstore.bench.storage",
@@ -47,6 +51,13 @@ def test_readme_python_blocks_run() -> None:
     assert len(blocks) >= 2
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {})
+
+
+def test_recipes_python_blocks_run() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "recipes.md").read_text(), re.S)
+    assert len(blocks) >= 4
+    for block in blocks:
+        exec(compile(block, "docs/recipes.md", "exec"), {})
 
 
 def test_readme_starts_with_the_two_commands() -> None:
