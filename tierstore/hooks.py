@@ -370,13 +370,26 @@ class TierStore:
 
     # -- hooks ---------------------------------------------------------------
 
+    # Dynamo must never trace the hooks (locks, threads, file I/O). It would:
+    # eager code that runs while its frame callback is active (module.compile()
+    # on a module it does not capture) calls them as new frames, and compiled
+    # autograd calls the unpack hook from its graph. _disable_dynamo is
+    # torch.compiler.disable, importing torch._dynamo only at the first call.
+    @torch._compile._disable_dynamo
     def _pack(self, t: torch.Tensor) -> Handle | _Kept:
+        if isinstance(
+            t, (torch._subclasses.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor)
+        ):
+            # A tracing placeholder (make_fx, FakeTensorMode) has no data, and
+            # its size may be symbolic: nothing to store or count.
+            return _Kept(t.detach(), t._version)
         nbytes = None if _keep_depth() else _offload_nbytes(t, self._min_bytes)
         if nbytes is None:
             self._manager.count_kept(t.numel() * t.element_size())
             return _Kept(t.detach(), t._version)
         return self._manager.put(t, nbytes)
 
+    @torch._compile._disable_dynamo
     def _unpack(self, packed: Handle | _Kept) -> torch.Tensor:
         if type(packed) is _Kept:
             t = packed.tensor
