@@ -326,13 +326,6 @@ def test_per_block_compiled_gpt_trains_bitwise(
 # -- known limits of the buffer watch under torch.compile ------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="each offload() entry re-registers the buffer watch's global forward "
-    "pre-hook under a new key; Dynamo guards on those keys, so a compiled model "
-    "recompiles every step, and after torch._dynamo.config.recompile_limit (8) "
-    "steps it runs eagerly",
-)
 def test_offload_every_step_does_not_recompile(store: tierstore.TierStore) -> None:
     compiled = torch.compile(_mlp(), backend="aot_eager")
     graphs = []

@@ -52,7 +52,9 @@ __all__ = ["TierStore", "keep", "keep_module", "offload"]
 # Buffers cannot be told from inputs by looking at a tensor (register_buffer
 # stores a plain tensor), so while an offload() context is active a global
 # module forward pre-hook notes the storages of the buffers of each module
-# that runs; pack looks a saved tensor's storage up there.
+# that runs; pack looks a saved tensor's storage up there. Not seen: buffers
+# saved by a torch.compile'd graph (module hooks run while Dynamo traces, not
+# when the graph runs), which are offloaded: a wasted copy, exact gradients.
 
 # NOTE [ Version check ]
 # Eager autograd raises if a saved tensor was modified in place before
@@ -72,20 +74,26 @@ class _BufferWatch:
         self._users = 0
 
     def _note(self, module: torch.nn.Module, args: Any) -> None:
-        if getattr(_local, "active", 0) and not torch.compiler.is_compiling():
-            for buf in module._buffers.values():
-                if buf is not None:
-                    self.storages.add(buf.untyped_storage())
+        # is_compiling() first: under Dynamo this hook is inlined into every
+        # module call, and the check must fold to a constant before anything
+        # (the thread-local) would need tracing.
+        if torch.compiler.is_compiling() or not getattr(_local, "active", 0):
+            return
+        for buf in module._buffers.values():
+            if buf is not None:
+                self.storages.add(buf.untyped_storage())
 
     def use(self, delta: int) -> None:
         with self._lock:
             self._users += delta
             if self._users and self._hook is None:
+                # Registered once and kept: Dynamo guards on the global hooks'
+                # keys, so a hook re-registered at every offload() entry would
+                # make a compiled model recompile every step. When no offload()
+                # is active it returns at once.
                 register = torch.nn.modules.module.register_module_forward_pre_hook
                 self._hook = register(self._note)
-            elif not self._users and self._hook is not None:
-                self._hook.remove()
-                self._hook = None
+            elif not self._users:
                 self.storages.clear()
 
 
