@@ -122,7 +122,8 @@ def test_only_block_inputs_reach_the_store_and_gradients_match_eager(
             assert len(recorder.puts) == packed
             for a, b in zip(eager, _grads(model), strict=True):
                 assert torch.equal(a, b)
-    inside = [(ptr, shape) for ptr, shape, in_block in recorder.puts if in_block]
+    # torch 2.11's checkpoint also saves a 0-element tensor of its own per block.
+    inside = [(p, shape) for p, shape, in_block in recorder.puts if in_block and 0 not in shape]
     # Per block and step exactly one save reaches the store from inside a
     # block: its input. Attention probabilities, MLP activations and the rest
     # are recomputed, never stored.
