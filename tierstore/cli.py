@@ -24,7 +24,7 @@ from tierstore.errors import TierstoreError
 from tierstore.hooks import TierStore
 from tierstore.stats import TIERS, Stats
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -126,16 +126,13 @@ def config(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``tierstore`` command line.
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tierstore`` command line's parser (``demo``, ``config``, ``bench ...``).
 
     Example:
-        >>> from tierstore.cli import main
-        >>> main(["demo", "--layers", "1", "--d-model", "32", "--seq", "16", "--batch", "2"])
-        ... # doctest: +ELLIPSIS
-        tierstore demo: ...
-        max |grad diff| = 0 (bitwise equal)
-        0
+        >>> from tierstore.cli import build_parser
+        >>> build_parser().parse_args(["bench", "storage", "--total", "1GiB"]).total
+        '1GiB'
     """
     parser = argparse.ArgumentParser(prog="tierstore", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +148,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("config", help="the resolved configuration and where each value came from")
     p.set_defaults(run=config)
     add_bench_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``tierstore`` command line.
+
+    Example:
+        >>> from tierstore.cli import main
+        >>> main(["demo", "--layers", "1", "--d-model", "32", "--seq", "16", "--batch", "2"])
+        ... # doctest: +ELLIPSIS
+        tierstore demo: ...
+        max |grad diff| = 0 (bitwise equal)
+        0
+    """
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         code: int = args.run(args)
