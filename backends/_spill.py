@@ -2,7 +2,8 @@
 
 NOTE [ Spill directory lifecycle ]
 
-A backend's files live in one directory of its own, ``<root>/<prefix><pid>-<random>``,
+A backend's files live in one directory of its own, ``<root>/<prefix><pid>-<random>``
+(``<root>/<prefix>rank<R>-<pid>-<random>`` under torchrun, which sets ``RANK``),
 mode 0700, files 0600. The directory goes away on ``close()``, and at interpreter
 exit through a ``weakref.finalize`` (which runs from ``atexit``) for a store
 nobody closed.
@@ -47,6 +48,17 @@ __all__ = ["SpillDir"]
 
 _LOCK_NAME = ".lock"
 _LOCK_TMP_NAME = ".lock-setup"
+
+
+def _rank_part() -> str:
+    """``"rank<R>-"`` under a distributed launcher (``RANK`` set, as torchrun does), else ``""``.
+
+    Ranks on one machine share ``disk_path``; the rank in the name tells
+    their directories apart at a glance. Each is private to its process
+    anyway (0700, flock-owned), so no rank ever reads another's files.
+    """
+    rank = os.environ.get("RANK", "")
+    return f"rank{rank}-" if rank.isdigit() else ""
 
 
 def _remove(path: str, lock_fd: int, owner_pid: int) -> None:
@@ -157,7 +169,7 @@ class SpillDir:
             if not root.is_dir():
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(root))
             self.removed_stale = _sweep_stale(root, prefix)
-            path = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root)
+            path = tempfile.mkdtemp(prefix=f"{prefix}{_rank_part()}{os.getpid()}-", dir=root)
         except OSError as e:
             raise ConfigError(
                 f"tierstore: cannot create a spill directory under disk_path='{root}': {e}; "

@@ -305,3 +305,17 @@ def test_root_in_proc() -> None:
         str(info.value),
     ), str(info.value)
     assert isinstance(info.value.__cause__, OSError)
+
+
+def test_the_rank_is_in_the_name_under_a_distributed_launcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RANK", "3")
+    spill = SpillDir(tmp_path)
+    assert spill.path.name.startswith(f"tierstore-rank3-{os.getpid()}-")
+    monkeypatch.setenv("RANK", "not-a-rank")
+    plain = SpillDir(tmp_path)
+    assert plain.path.name.startswith(f"tierstore-{os.getpid()}-")
+    spill.close()
+    plain.close()
+    assert list(tmp_path.iterdir()) == []
