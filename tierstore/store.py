@@ -409,12 +409,7 @@ class TierManager:
                 self._unpack_wait += waited
                 self._demand.pop(entry.key, None)
         copy = self._pipeline.device_copy(span, entry.device)
-        out = codec.from_span(self._pipeline.consume(copy), layout)
-        if entry.refs > 1:
-            entry.held = out
-        else:
-            entry.loaded = weakref.ref(out)
-        return out
+        return self._remember(entry, codec.from_span(self._pipeline.consume(copy), layout))
 
     def count_kept(self, nbytes: int) -> None:
         """Count a saved tensor the caller left on the device."""
@@ -613,8 +608,12 @@ class TierManager:
             self._misses += 1
             copy = self._pipeline.device_copy(span, entry.device, entry.ready)
         self._top_up_window()
-        out = codec.from_span(self._pipeline.consume(copy), layout)
-        # As for disk entries: one tensor serves every handle of a deduplicated entry.
+        return self._remember(entry, codec.from_span(self._pipeline.consume(copy), layout))
+
+    @staticmethod
+    def _remember(entry: _Entry, out: torch.Tensor) -> torch.Tensor:
+        """Keep what was read back for the entry's other handles (strongly if it has any)."""
+        # As eager autograd keeps one saved tensor for every node that saved it.
         if entry.refs > 1:
             entry.held = out
         else:
