@@ -3,10 +3,14 @@
 NOTE [ Spill directory lifecycle ]
 
 A backend's files live in one directory of its own, ``<root>/<prefix><pid>-<random>``
-(``<root>/<prefix>rank<R>-<pid>-<random>`` under torchrun, which sets ``RANK``),
-mode 0700, files 0600. The directory goes away on ``close()``, and at interpreter
-exit through a ``weakref.finalize`` (which runs from ``atexit``) for a store
-nobody closed.
+(``<root>/<prefix>rank<R>-<pid>-<random>`` under a distributed launcher: ``RANK``,
+as torchrun sets it, else ``LOCAL_RANK``), mode 0700, files 0600. The rank
+only comes after the prefix, so the sweep below treats every rank's
+directories alike: it removes those of dead processes of any rank, and no
+live one, since liveness is the lock, not the name.
+
+The directory goes away on ``close()``, and at interpreter exit through a
+``weakref.finalize`` (which runs from ``atexit``) for a store nobody closed.
 
 A process killed with SIGKILL, or by the OOM killer, runs neither, so every
 new :class:`SpillDir` first sweeps ``root`` for directories left by dead
@@ -51,14 +55,21 @@ _LOCK_TMP_NAME = ".lock-setup"
 
 
 def _rank_part() -> str:
-    """``"rank<R>-"`` under a distributed launcher (``RANK`` set, as torchrun does), else ``""``.
+    """``"rank<R>-"`` under a distributed launcher, else ``""``.
 
-    Ranks on one machine share ``disk_path``; the rank in the name tells
-    their directories apart at a glance. Each is private to its process
-    anyway (0700, flock-owned), so no rank ever reads another's files.
+    ``R`` is ``RANK`` (the global rank, which torchrun sets), else
+    ``LOCAL_RANK`` for a launcher that sets only that; a value that is not a
+    number is ignored. Ranks on one machine share ``disk_path``; the rank in
+    the name tells their directories apart at a glance. Each is private to
+    its process anyway (0700, flock-owned), so no rank ever reads another's
+    files. Read from the environment: this layer knows nothing of
+    ``torch.distributed``.
     """
-    rank = os.environ.get("RANK", "")
-    return f"rank{rank}-" if rank.isdigit() else ""
+    for var in ("RANK", "LOCAL_RANK"):
+        rank = os.environ.get(var, "")
+        if rank.isascii() and rank.isdigit():
+            return f"rank{int(rank)}-"
+    return ""
 
 
 def _remove(path: str, lock_fd: int, owner_pid: int) -> None:

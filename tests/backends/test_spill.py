@@ -38,13 +38,14 @@ def no_umask() -> Iterator[None]:
         os.umask(old)
 
 
-def _spawn(code: str, *args: str) -> subprocess.Popen[str]:
+def _spawn(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code), *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -307,15 +308,59 @@ def test_root_in_proc() -> None:
     assert isinstance(info.value.__cause__, OSError)
 
 
+@pytest.mark.parametrize(
+    ("env", "part"),
+    [
+        ({"RANK": "3"}, "rank3-"),
+        ({"RANK": "3", "LOCAL_RANK": "1"}, "rank3-"),  # the global rank wins
+        ({"LOCAL_RANK": "1"}, "rank1-"),
+        ({"RANK": "007"}, "rank7-"),
+        ({"RANK": "not-a-rank"}, ""),
+        ({"RANK": "\u00b2"}, ""),  # a digit to str.isdigit, not a number
+        ({"RANK": "", "LOCAL_RANK": "2"}, "rank2-"),
+        ({}, ""),
+    ],
+)
 def test_the_rank_is_in_the_name_under_a_distributed_launcher(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], part: str
 ) -> None:
-    monkeypatch.setenv("RANK", "3")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
     spill = SpillDir(tmp_path)
-    assert spill.path.name.startswith(f"tierstore-rank3-{os.getpid()}-")
-    monkeypatch.setenv("RANK", "not-a-rank")
-    plain = SpillDir(tmp_path)
-    assert plain.path.name.startswith(f"tierstore-{os.getpid()}-")
+    assert re.fullmatch(rf"tierstore-{part}{os.getpid()}-\w+", spill.path.name), spill.path.name
     spill.close()
-    plain.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ranks_sweep_each_others_dead_dirs_and_never_a_live_one(tmp_path: Path) -> None:
+    # Two ranks of a job share disk_path. Rank 0 is SIGKILLed; its restart
+    # (a new process, RANK=0 again) removes the dead rank-0 directory, and
+    # the sweep of rank 1's directory is stopped by its lock, not its name.
+    dead = _spawn(_HOLD_SPILL, str(tmp_path), env={"RANK": "0"})
+    live = _spawn(_HOLD_SPILL, str(tmp_path), env={"RANK": "1"})
+    try:
+        dead_dir = Path(_first_line(dead))
+        live_dir = Path(_first_line(live))
+        assert dead_dir.name.startswith(f"tierstore-rank0-{dead.pid}-")
+        assert live_dir.name.startswith(f"tierstore-rank1-{live.pid}-")
+        (live_dir / "entries.bin").write_bytes(b"rank 1 data")
+        dead.send_signal(signal.SIGKILL)
+        dead.communicate(timeout=60)
+        assert dead_dir.is_dir()  # SIGKILL runs no cleanup
+
+        restarted = _spawn(_HOLD_SPILL, str(tmp_path), env={"RANK": "0"})
+        try:
+            new_dir = Path(_first_line(restarted))
+            assert new_dir.name.startswith(f"tierstore-rank0-{restarted.pid}-")
+            assert not dead_dir.exists()
+            assert (live_dir / "entries.bin").read_bytes() == b"rank 1 data"
+            assert sorted(os.listdir(tmp_path)) == sorted([live_dir.name, new_dir.name])
+        finally:
+            _, err = restarted.communicate("\n", timeout=60)
+        assert restarted.returncode == 0, err
+    finally:
+        _, err = live.communicate("\n", timeout=60)
+    assert live.returncode == 0, err
+    assert os.listdir(tmp_path) == []
