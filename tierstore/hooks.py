@@ -389,8 +389,9 @@ class TierStore:
             t, (torch._subclasses.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor)
         ):
             # A tracing placeholder (make_fx, FakeTensorMode) has no data, and
-            # its size may be symbolic: nothing to store or count.
-            return _Kept(t.detach(), t._version)
+            # its size may be symbolic: nothing to store or count. Not
+            # detached: torch 2.11 refuses a FunctionalTensor op here.
+            return _Kept(t, t._version)
         nbytes = None if _keep_depth() else _offload_nbytes(t, self._min_bytes)
         if nbytes is None:
             self._manager.count_kept(t.numel() * t.element_size())
