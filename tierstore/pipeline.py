@@ -269,8 +269,10 @@ class Pipeline:
         Called with the tier manager's lock held (the pool and the list of
         blocks to give back have no lock of their own beyond the pool's).
         """
-        if span.device.type != "cuda":
+        if span.device.type == "cpu":
             return HostCopy(span)
+        if span.device.type != "cuda":  # other accelerators: a plain synchronous copy
+            return HostCopy(span.to("cpu"))
         self.reclaim()
         nbytes = span.numel() * span.element_size()
         block = self._host_pool().take(nbytes)
@@ -293,8 +295,9 @@ class Pipeline:
             with self._start_lock:
                 if self._closed:
                     raise StoreClosedError("tierstore: this store is closed; its host pool is gone")
+                # Queued disk writes hold blocks too, beyond the host tier's own.
                 self._pool = HostPool(
-                    int(self._config.host_budget),
+                    int(self._config.host_budget) + int(self._config.write_queue_bytes),
                     int(self._config.host_pool_step),
                     pin=self._config.pin_memory,
                 )

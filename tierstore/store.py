@@ -132,6 +132,7 @@ class _Entry:
         "ready",
         "record",
         "refs",
+        "source",
         "stale",
         "tensor",
         "tier",
@@ -167,6 +168,7 @@ class _Entry:
         # CUDA (NOTE [ Copies on CUDA ] in pipeline.py): the D2H copy filling
         # self.tensor while it runs, and the pool block self.tensor lives in.
         self.ready: torch.cuda.Event | None = None
+        self.source: torch.Tensor | None = None  # what that copy reads (a compact temp, say)
         self.block: HostBlock | None = None
         self.refs = 1
 
@@ -479,6 +481,9 @@ class TierManager:
             ]
             futures += [f for f, _ in self._window.values() if not isinstance(f, DeviceCopy)]
             futures += list(self._demand.values())
+            for ahead, _ in self._window.values():  # copies into device memory about to be freed
+                if isinstance(ahead, DeviceCopy) and ahead.ready is not None:
+                    ahead.ready.synchronize()
             for entry in self._copying:  # copies into host memory about to be freed
                 if entry.ready is not None:
                     entry.ready.synchronize()
@@ -537,6 +542,10 @@ class TierManager:
 
     def _write_disk(self, entry: _Entry) -> None:
         state = self._tiers["disk"]
+        ahead = self._window.pop(entry.key, None)  # a copy back from the host tier
+        if ahead is not None:
+            self._window_bytes -= ahead[1]
+            self._drop_ahead(ahead[0])
         span, layout = entry.span()
         reserve = self._pipeline.footprint_bound(entry.nbytes)
         if state.bytes + reserve > state.budget and self._writing:
@@ -583,7 +592,7 @@ class TierManager:
         else:
             # NOTE [ Copies on CUDA ]: the source stays referenced (by the
             # probe) until the copy has read it; _settle_copies lets go.
-            entry.ready = copy.ready
+            entry.ready, entry.source = copy.ready, span
             self._copying.append(entry)
             self._copying_bytes += entry.nbytes
 
@@ -607,8 +616,10 @@ class TierManager:
         else:
             self._misses += 1
             copy = self._pipeline.device_copy(span, entry.device, entry.ready)
+        # Remembered first, so that the top-up does not copy this entry again.
+        out = self._remember(entry, codec.from_span(self._pipeline.consume(copy), layout))
         self._top_up_window()
-        return self._remember(entry, codec.from_span(self._pipeline.consume(copy), layout))
+        return out
 
     @staticmethod
     def _remember(entry: _Entry, out: torch.Tensor) -> torch.Tensor:
@@ -625,7 +636,7 @@ class TierManager:
         while self._copying and self._pipeline.done(self._copying[0].ready):
             entry = self._copying.popleft()
             self._copying_bytes -= entry.nbytes
-            entry.ready = None
+            entry.ready = entry.source = None
             entry.let_go_of_original()
         self._pipeline.reclaim()
 
@@ -723,8 +734,10 @@ class TierManager:
             entry = self._entries.get(key)
             if entry is None or key in self._window:
                 continue
-            if entry.tier == "host" and entry.device.type != "cpu":
-                if entry.held is not None or (entry.loaded is not None and entry.loaded()):
+            if entry.tier == "host" and entry.device.type == "cuda":
+                if entry.held is not None or (
+                    entry.loaded is not None and entry.loaded() is not None
+                ):
                     continue
                 span, _ = entry.span()
                 copy = self._pipeline.device_copy(span, entry.device, entry.ready)
@@ -822,4 +835,6 @@ class TierManager:
             if tier == "disk":
                 self._pipeline.delete(key)
         self._pipeline.free_host(entry.block)
-        entry.tensor = entry.probe = entry.held = entry.block = None
+        entry.tensor = entry.held = entry.block = None
+        if entry.ready is None:  # else _settle_copies lets go once the copy has read it
+            entry.probe = None
