@@ -42,8 +42,10 @@ T = TypeVar("T")
 # NOTE [ Copies on CUDA ]
 # D2H (a saved tensor leaves the device): the d2h stream waits on the
 # producer's stream, read at call time, then copies into a pooled pinned
-# block and records an event. Pack returns at once; the caller keeps the
-# source tensor referenced until that event has completed (HostCopy.ready),
+# block and records an event. Pack returns at once; the caller keeps the span
+# copied from (for a view with gaps, a compact temporary that nothing else
+# holds) and the saved tensor referenced until that event has completed
+# (HostCopy.ready),
 # so the caching allocator cannot hand its memory to a new tensor while the
 # copy still reads it. A disk write of the block first waits for the event
 # on the I/O thread.
