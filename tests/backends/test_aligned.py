@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import pytest
+from backend_helpers import run_in_threads
 
 from tierstore.backends import _aligned
 from tierstore.backends._aligned import AlignedBuffer, AlignedBufferPool, copy
@@ -95,11 +96,7 @@ def test_many_threads_never_share_a_buffer() -> None:
                 with lock:
                     del holders[buf.address]
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    assert run_in_threads(worker) == []
     assert errors == []
     assert 1 <= pool.created <= 3
     pool.close()

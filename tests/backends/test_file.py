@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from backend_helpers import FULL_HINT, KiB, MiB, read, split
+from backend_helpers import FULL_HINT, KiB, MiB, churn, read, run_in_threads, split
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -348,26 +348,7 @@ def test_short_writes_and_reads_are_resumed(
 
 
 def test_concurrent_writers_and_readers(backend: FileBackend) -> None:
-    errors: list[BaseException] = []
-
-    def worker(tid: int) -> None:
-        rng = random.Random(tid)
-        try:
-            for i in range(100):
-                key = tid * 1000 + i
-                data = rng.randbytes(rng.randrange(0, 3 * ALIGN))
-                backend.write(key, [data[:10], data[10:]])
-                assert read(backend, key, [len(data)]) == data
-                backend.delete(key)
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert run_in_threads(lambda tid: churn(backend, tid, 3 * ALIGN)) == []
     assert (len(backend), backend.used_bytes, backend._alloc.top) == (0, 0, 0)
 
 
@@ -860,31 +841,22 @@ def test_concurrent_direct_io_shares_a_bounded_pool(
     monkeypatch.setattr(file_backend, "_CHUNK", 4 * ALIGN)
     monkeypatch.setattr(file_backend, "_MAX_BUFFERS", 3)
     b = direct_backend(tmp_path, 16 * MiB)
-    errors: list[BaseException] = []
     barrier = threading.Barrier(8)
 
     def worker(tid: int) -> None:
         rng = random.Random(tid)
-        try:
-            barrier.wait(10)
-            for i in range(40):
-                key = tid * 1000 + i
-                data = rng.randbytes(rng.randrange(0, 30 * ALIGN))
-                skew = rng.randrange(1, 64)
-                src = memoryview(bytearray(skew) + bytearray(data))[skew:]
-                b.write(key, [data[:5], src[5:]])
-                assert read(b, key, [len(data) // 3, len(data) - len(data) // 3]) == data
-                if i % 2:
-                    b.delete(key)
-        except BaseException as e:
-            errors.append(e)
+        barrier.wait(10)
+        for i in range(40):
+            key = tid * 1000 + i
+            data = rng.randbytes(rng.randrange(0, 30 * ALIGN))
+            skew = rng.randrange(1, 64)
+            src = memoryview(bytearray(skew) + bytearray(data))[skew:]
+            b.write(key, [data[:5], src[5:]])
+            assert read(b, key, [len(data) // 3, len(data) - len(data) // 3]) == data
+            if i % 2:
+                b.delete(key)
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert run_in_threads(worker) == []
     assert 1 <= b._pool.created <= 3
     b.close()
 

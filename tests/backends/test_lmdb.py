@@ -7,13 +7,12 @@ import inspect
 import os
 import random
 import re
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import lmdb
 import pytest
-from backend_helpers import FULL_HINT, KiB, MiB, read, split
+from backend_helpers import FULL_HINT, KiB, MiB, churn, read, run_in_threads, split
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -134,26 +133,7 @@ def test_many_records_in_any_order(backend: LmdbBackend) -> None:
 
 
 def test_concurrent_writers_and_readers(backend: LmdbBackend) -> None:
-    errors: list[BaseException] = []
-
-    def worker(tid: int) -> None:
-        rng = random.Random(tid)
-        try:
-            for i in range(100):
-                key = tid * 1000 + i
-                data = rng.randbytes(rng.randrange(0, 20_000))
-                backend.write(key, [data[:10], data[10:]])
-                assert read(backend, key, [len(data)]) == data
-                backend.delete(key)
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert run_in_threads(lambda tid: churn(backend, tid, 20_000)) == []
     assert (len(backend), backend.used_bytes) == (0, 0)
 
 
