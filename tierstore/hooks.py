@@ -385,15 +385,21 @@ class TierStore:
     # torch.compiler.disable, importing torch._dynamo only at the first call.
     @torch._compile._disable_dynamo
     def _pack(self, t: torch.Tensor) -> Handle | _Kept:
-        if isinstance(
-            t, (torch._subclasses.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor)
-        ):
-            # A tracing placeholder (make_fx, FakeTensorMode) has no data, and
-            # its size may be symbolic: nothing to store or count. Not
-            # detached: torch 2.11 refuses a FunctionalTensor op here.
-            return _Kept(t, t._version)
         nbytes = None if _keep_depth() else _offload_nbytes(t, self._min_bytes)
         if nbytes is None:
+            # Only kept tensors can be tracing placeholders (subclasses are
+            # never offloaded), so the offload path pays no check for them.
+            if isinstance(
+                t,
+                (
+                    torch._subclasses.FakeTensor,
+                    torch._subclasses.functional_tensor.FunctionalTensor,
+                ),
+            ):
+                # make_fx, FakeTensorMode: no data, and a size that may be
+                # symbolic: nothing to count. Not detached: torch 2.11 refuses
+                # a FunctionalTensor op here.
+                return _Kept(t, t._version)
             self._manager.count_kept(t.numel() * t.element_size())
             return _Kept(t.detach(), t._version)
         return self._manager.put(t, nbytes)
