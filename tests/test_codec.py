@@ -84,17 +84,29 @@ def test_any_view_round_trips(
     assert torch.equal(back, view) and back.shape == view.shape
 
 
-def test_dense_views_keep_their_strides_and_gapped_views_rest_dense() -> None:
+def test_dense_and_gapped_views_keep_their_strides_others_rest_dense() -> None:
+    # NOTE [ Spans ]: every view rests densely; dense and gapped views come
+    # back with their own strides, wide-gapped and overlapping ones dense.
     t = torch.randn(8, 6)
     for view in (t.t(), t[2:5], t[3:4], t[:1].expand(5, 6), t.unsqueeze(1).expand(8, 3, 6)):
         assert _round_trip(view, "none").stride() == view.stride()
     for gapped, dense_stride in (
         (t[:, ::2], (3, 1)),
-        (t[:, 1:2], (1, 1)),
         (t[1:3, 1:4].t(), (1, 3)),
+        (t[:, 1:4:2].unsqueeze(1).expand(8, 5, 2), (2, 0, 1)),
     ):
         span, layout = codec.to_span(gapped)
-        assert span.numel() == gapped.numel() and layout.stride == dense_stride
+        assert span.numel() == gapped[..., :1, :].numel() if gapped.dim() == 3 else gapped.numel()
+        assert layout.stride == gapped.stride() and layout.dense == dense_stride
+        back = codec.from_span(span.clone(), layout)
+        assert torch.equal(back, gapped) and back.stride() == gapped.stride()
+    wide = torch.randn(100, 100)[:, :3]  # extent 33x its elements: not worth a buffer
+    column = t[:, 1:2]  # 43 elements of extent for 8
+    overlapping = torch.randn(10).unfold(0, 4, 2)
+    for view, dense_stride in ((wide, (3, 1)), (column, (1, 1)), (overlapping, (4, 1))):
+        span, layout = codec.to_span(view)
+        assert layout.stride == dense_stride and layout.dense is None
+        assert torch.equal(codec.from_span(span.clone(), layout), view)
 
 
 def test_expanded_rests_at_unexpanded_size() -> None:
