@@ -146,6 +146,11 @@ class Backend(abc.ABC, Generic[Place]):
             return self._used
 
     @property
+    def path(self) -> Path:
+        """Where the records rest: the data file, or the LMDB environment's directory."""
+        return self._path
+
+    @property
     def io_path(self) -> str:
         """How bytes reach the disk, for ``Stats.disk_io``: the backend's name by default."""
         return self.name

@@ -155,7 +155,13 @@ class FileBackend(Backend[int]):
     def _open_storage(self) -> None:
         self._capacity = self._budget - self._budget % ALIGN
         self._path = self._spill.file(_DATA_NAME)
-        fd = self._spill.open_file(_DATA_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        try:
+            fd = self._spill.open_file(_DATA_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        except OSError as e:  # O_EXCL | O_NOFOLLOW: something was planted there
+            raise TierstoreError(
+                f"tierstore: cannot create the spill file {self._path}: {e}; "
+                "set disk_path (TIERSTORE_DISK_PATH) to a writable local directory"
+            ) from e
         try:
             self._preallocate(fd)
         except BaseException:

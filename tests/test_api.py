@@ -23,6 +23,7 @@ EXPORTED = {
     "TierStats",
     "TierStore",
     "TierstoreError",
+    "TierstoreWarning",
     "__version__",
     "keep",
     "keep_module",

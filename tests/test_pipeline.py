@@ -173,7 +173,7 @@ def test_unpack_order_other_than_reverse_pack_order(spill_root: Path, slow_disk:
     store.close()
 
 
-def test_worker_failure_is_raised_with_its_cause(
+def test_worker_failure_keeps_the_entry_in_host_memory(
     spill_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = {"n": 0}
@@ -192,14 +192,17 @@ def test_worker_failure_is_raised_with_its_cause(
         a = x.exp()  # saves a: written fine
         b = (a + 1).sin()  # saves a + 1: this write fails
     concurrent.futures.wait([e.writing for e in store._manager._writing.values()])
-    with pytest.raises(tierstore.TierstoreError) as info:
-        b.sum().backward()
-    assert str(info.value).startswith("tierstore: a background write to the disk tier failed: ")
-    assert "injected I/O error" in str(info.value)
-    assert isinstance(info.value.__cause__, OSError)
     # Nothing was lost: the tensor whose write failed is still in host memory,
-    # and the same graph backpropagates correctly once the error is reported.
-    assert store.stats().tiers["host"].entries == 1
+    # within host_budget + write_queue_bytes, so the step goes on with a
+    # warning (NOTE [ Failed writes ]; tests/test_faults.py has the rest).
+    with pytest.warns(tierstore.TierstoreWarning) as caught:
+        assert store.stats().tiers["host"].entries == 1
+    (warning,) = caught
+    assert str(warning.message).startswith(
+        "tierstore: a write to the disk tier failed ([Errno 5] injected I/O error); the saved "
+        "tensor of 1.0 KiB stays in host memory, within host_budget + write_queue_bytes"
+    )
+    assert store.stats().failed_writes == 1
     b.sum().backward()
     assert torch.equal(x.grad, torch.func.grad(lambda t: (t.exp() + 1).sin().sum())(x.detach()))
     store.close()

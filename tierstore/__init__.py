@@ -23,6 +23,7 @@ from tierstore.errors import (
     StoreClosedError,
     TierFullError,
     TierstoreError,
+    TierstoreWarning,
 )
 from tierstore.hooks import TierStore, keep, keep_module, offload
 from tierstore.stats import Stats, TierStats
@@ -39,6 +40,7 @@ __all__ = [
     "TierStats",
     "TierStore",
     "TierstoreError",
+    "TierstoreWarning",
     "__version__",
     "keep",
     "keep_module",

@@ -21,6 +21,7 @@ __all__ = [
     "StoreClosedError",
     "TierFullError",
     "TierstoreError",
+    "TierstoreWarning",
 ]
 
 
@@ -84,5 +85,18 @@ class CorruptDataError(TierstoreError):
     Example:
         >>> import tierstore
         >>> issubclass(tierstore.CorruptDataError, tierstore.TierstoreError)
+        True
+    """
+
+
+class TierstoreWarning(UserWarning):
+    """Something went wrong that tierstore worked around without failing the step.
+
+    Issued at most once per store for each kind of trouble (a failed disk
+    write whose entry stayed in host memory, say); ``stats()`` counts the rest.
+
+    Example:
+        >>> import tierstore, warnings
+        >>> issubclass(tierstore.TierstoreWarning, UserWarning)
         True
     """

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -33,7 +34,7 @@ from tierstore.backends import backend_class
 from tierstore.backends.base import Backend
 from tierstore.backends.host import HostBlock, HostPool
 from tierstore.config import TierConfig
-from tierstore.errors import CorruptDataError, StoreClosedError
+from tierstore.errors import CorruptDataError, StoreClosedError, TierstoreError
 
 __all__ = ["DeviceCopy", "HostBlock", "HostCopy", "Pipeline", "Record"]
 
@@ -60,6 +61,19 @@ T = TypeVar("T")
 # A pool block goes back only once every copy issued before the release, on
 # both copy streams, has completed (an event recorded on each at release).
 
+# NOTE [ A dead I/O thread ]
+# The loop thread runs only our coroutines and callbacks, but a BaseException
+# raised on it (SystemExit, a KeyboardInterrupt delivered by a debugger, a
+# MemoryError inside asyncio) ends run_forever, and with it every future the
+# store waits on: a plain wait would hang the training step for good. So the
+# store waits through Pipeline.wait, which looks at the thread every
+# _LIVENESS_S seconds, and every new request checks it first; both raise a
+# TierstoreError with the thread's exception as the cause. Entries whose
+# writes never ran still have their bytes in memory and are read from there;
+# entries already on disk are out of reach. close() still works, and removes
+# the files.
+_LIVENESS_S = 0.25
+
 # NOTE [ Movers ]
 # One event-loop thread per store runs the disk I/O as coroutines; each
 # blocking step (encoding with zstd, a pwritev or preadv, an LMDB
@@ -72,10 +86,26 @@ T = TypeVar("T")
 # never waits for the manager either.
 
 
+def _seen(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 @aiofiles.os.wrap  # type: ignore[untyped-decorator]
 def _blocking(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` on the loop's executor (aiofiles' wrapper makes it awaitable)."""
     return fn(*args)
+
+
+# The end of every message about a disk record that cannot be read back.
+_LOST = (
+    "The saved tensor it held is lost and this backward cannot finish; run the step "
+    "again, and check the disk under disk_path (TIERSTORE_DISK_PATH)"
+)
+
+
+def _without_prefix(exc: BaseException) -> str:
+    return str(exc).removeprefix("tierstore: ")
 
 
 async def _cancel_all() -> None:
@@ -178,6 +208,7 @@ class Pipeline:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._start_lock = threading.Lock()
         self._closed = False
+        self._death: BaseException | None = None
         # CUDA only (NOTE [ Copies on CUDA ]): the pinned pool, the copy
         # streams per device, and pool blocks waiting for their copies to end.
         self._pool: HostPool | None = None
@@ -204,7 +235,48 @@ class Pipeline:
         """The disk backend if something has opened it, else ``None``."""
         return self._backend
 
+    def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            loop.run_forever()
+        except BaseException as exc:  # NOTE [ A dead I/O thread ]
+            self._death = exc
+            raise
+
+    def check_alive(self) -> None:
+        """Raise if the I/O thread has died (NOTE [ A dead I/O thread ]).
+
+        Raises:
+            TierstoreError: the thread is gone; its exception is the ``__cause__``.
+        """
+        thread = self._thread
+        if thread is None or thread.is_alive() or self._closed:
+            return
+        death = self._death
+        raise TierstoreError(
+            "tierstore: the disk I/O thread of this store (tierstore-loop) has stopped"
+            + (f" on {type(death).__name__}: {death}" if death is not None else "")
+            + "; entries on the disk tier cannot be read back. Close this store "
+            "(store.close()) and create a new one"
+        ) from death
+
+    def wait(self, futures: Iterable[concurrent.futures.Future[Any] | None]) -> None:
+        """Wait until ``futures`` are done; raise if the I/O thread dies first.
+
+        Futures of a dead I/O thread would never end: instead of hanging, the
+        wait checks the thread every ``_LIVENESS_S`` seconds.
+
+        Raises:
+            TierstoreError: see :meth:`check_alive`.
+        """
+        pending = [f for f in futures if f is not None and not f.done()]
+        while pending:
+            _, not_done = concurrent.futures.wait(pending, timeout=_LIVENESS_S)
+            pending = list(not_done)
+            if pending:
+                self.check_alive()
+
     def _running_loop(self) -> asyncio.AbstractEventLoop:
+        self.check_alive()
         with self._start_lock:
             if self._closed:
                 raise StoreClosedError("tierstore: this store is closed; its disk tier is gone")
@@ -215,7 +287,7 @@ class Pipeline:
                 )
                 loop.set_default_executor(self._executor)
                 self._thread = threading.Thread(
-                    target=loop.run_forever, name="tierstore-loop", daemon=True
+                    target=self._serve, args=(loop,), name="tierstore-loop", daemon=True
                 )
                 self._thread.start()
                 self._loop = loop
@@ -244,8 +316,14 @@ class Pipeline:
         if loop is not None and thread is not None and executor is not None:
             # Cancel what is still queued (a read waiting for a write, say), let
             # the cancellations run, then stop; started syscalls finish first.
-            asyncio.run_coroutine_threadsafe(_cancel_all(), loop).result()
-            loop.call_soon_threadsafe(loop.stop)
+            # A dead loop thread (NOTE [ A dead I/O thread ]) runs nothing more.
+            if thread.is_alive():
+                cancelled = asyncio.run_coroutine_threadsafe(_cancel_all(), loop)
+                while thread.is_alive():
+                    with contextlib.suppress(concurrent.futures.TimeoutError):
+                        cancelled.result(timeout=_LIVENESS_S)
+                        break
+                loop.call_soon_threadsafe(loop.stop)
             thread.join()
             executor.shutdown(wait=True, cancel_futures=True)
             loop.close()
@@ -387,9 +465,8 @@ class Pipeline:
         given, runs on the I/O thread when the write ends; it must not block.
         ``ready``: the D2H copy that fills ``span``; the write waits for it.
         """
-        future = asyncio.run_coroutine_threadsafe(
-            self._write(key, span, ready), self._running_loop()
-        )
+        loop = self._running_loop()  # first: it may raise, and then no coroutine is made
+        future = asyncio.run_coroutine_threadsafe(self._write(key, span, ready), loop)
         if done is not None:
             future.add_done_callback(done)
         return future
@@ -402,7 +479,8 @@ class Pipeline:
         ``record`` may be the future of a write still under way: the read then
         starts when the write ends.
         """
-        return asyncio.run_coroutine_threadsafe(self._read(key, record), self._running_loop())
+        loop = self._running_loop()  # first: it may raise, and then no coroutine is made
+        return asyncio.run_coroutine_threadsafe(self._read(key, record), loop)
 
     def delete(self, key: int) -> None:
         """Free the disk record under ``key`` (on the caller's thread: it is bookkeeping)."""
@@ -412,11 +490,10 @@ class Pipeline:
         backend = self._backend_or_open()
         if ready is not None:  # NOTE [ Copies on CUDA ]: the bytes are still arriving
             await _blocking(ready.synchronize)
-        compression = self._config.compression
-        if compression == "none":  # a header and a view of the span: nothing to offload
-            frame = codec.encode(span)
-        else:
-            frame = await _blocking(codec.encode, span, compression, self._config.compression_level)
+        # On a worker even uncompressed: the checksum reads every byte (NOTE [ Record integrity ]).
+        frame = await _blocking(
+            codec.encode, span, self._config.compression, self._config.compression_level
+        )
         meta = codec.parse_header(frame.header)  # before the write: a bad frame leaves nothing
         footprint = await _blocking(backend.write, key, [frame.header, frame.payload])
         return Record(frame.header, meta, footprint)
@@ -428,17 +505,29 @@ class Pipeline:
             # Shielded: cancelling this read must not cancel the write it
             # follows (wrap_future passes cancellation on), or a write whose
             # syscall still completes would be taken for one that never ran.
-            record = await asyncio.shield(asyncio.wrap_future(record))
+            # The write's own error is the store's to settle (NOTE [ Failed
+            # writes ]); marked as seen here, so that a read cancelled before
+            # the write failed does not make asyncio log it as never retrieved.
+            written = asyncio.wrap_future(record)
+            written.add_done_callback(_seen)
+            record = await asyncio.shield(written)
         backend = self._backend_or_open()
         header = bytearray(len(record.header))
         payload = codec.payload_tensor(record.meta)
-        await _blocking(backend.read_into, key, [memoryview(header), codec.byte_view(payload)])
+        where = f"entry {key} on the disk tier ({backend.name} backend, {backend.path})"
+        try:
+            await _blocking(backend.read_into, key, [memoryview(header), codec.byte_view(payload)])
+        except OSError as exc:  # the backends wrap theirs; this is for any that slips through
+            raise TierstoreError(f"tierstore: reading {where} failed: {exc}. {_LOST}") from exc
         if header != record.header:
             raise CorruptDataError(
-                f"tierstore: entry {key} on the disk tier came back with another header "
-                f"(in {backend.directory}); its bytes were changed after they were written"
+                f"tierstore: {where} came back with another header: its bytes were changed "
+                f"after they were written. {_LOST}"
             )
-        if record.meta.codec == "none":
-            return codec.decode(record.meta, payload)
-        span: torch.Tensor = await _blocking(codec.decode, record.meta, payload)
+        try:
+            span: torch.Tensor = await _blocking(codec.decode, record.meta, payload)
+        except CorruptDataError as exc:
+            raise CorruptDataError(
+                f"tierstore: {where} is corrupt: {_without_prefix(exc)}. {_LOST}"
+            ) from exc
         return span

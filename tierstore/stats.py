@@ -73,6 +73,10 @@ class Stats:
             ``"lmdb"``; ``None`` until the disk tier is first used. Bytes to
             and from a GPU pass through pinned host memory (GPUDirect
             Storage is not used).
+        failed_writes: disk writes that failed. None loses data: a live
+            entry stays in host memory, and one released before its write
+            ended needs nothing (NOTE [ Failed writes ] in
+            ``tierstore/store.py``).
 
     Example:
         >>> import torch, tierstore
@@ -99,6 +103,7 @@ class Stats:
     host_pool_bytes: int = 0
     host_pool_misses: int = 0
     disk_io: str | None = None
+    failed_writes: int = 0
 
     @property
     def prefetch_hit_rate(self) -> float | None:
@@ -131,4 +136,6 @@ class Stats:
                 f"host pool {human_bytes(self.host_pool_bytes)}, "
                 f"{self.host_pool_misses} allocations outside it"
             )
+        if self.failed_writes:
+            rows.append(f"{self.failed_writes} disk writes failed (no saved tensor lost)")
         return "\n".join(rows)

@@ -28,6 +28,7 @@ import heapq
 import itertools
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -38,7 +39,7 @@ import torch
 
 from tierstore import codec
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
-from tierstore.errors import StoreClosedError, TierFullError, TierstoreError
+from tierstore.errors import StoreClosedError, TierFullError, TierstoreError, TierstoreWarning
 from tierstore.handle import Handle
 from tierstore.pipeline import DeviceCopy, HostBlock, Pipeline, Record
 from tierstore.schedule import Schedule
@@ -65,8 +66,28 @@ __all__ = ["TierManager", "resting_nbytes"]
 # _harvest under the lock at the next call. Backpressure: while more than
 # write_queue_bytes are queued, put() waits, with the lock released, for the
 # oldest write; the wait is counted in stats().pack_wait_s. A failed write
-# loses nothing: the entry stays in host memory, and the error is raised by
-# the next put() or get() with the original as __cause__.
+# loses nothing: NOTE [ Failed writes ].
+
+# NOTE [ Failed writes ]
+# A write that fails (ENOSPC, EIO, a full LMDB map) has put nothing on the
+# disk, and its bytes are still in entry.tensor, so the entry moves to the host
+# tier, where it can be read as any host entry. The host memory the settings
+# allow is host_budget plus write_queue_bytes (the bytes queued for the disk
+# are held in host memory too; the pinned pool is sized the same way). While
+# the host entries and the queue still fit in that, the step goes on: the
+# store warns once (TierstoreWarning) and counts every failure in
+# stats().failed_writes. Past it, the error is raised by the next put() or
+# get() (with the original as __cause__): the user asked for host memory to
+# stay within those settings, and only they can choose between more room and
+# a healthier disk. A write can also end after backward has used and released
+# its entry (writes run behind; a read is served from the span meanwhile):
+# nothing is lost then, but the disk is still failing, so that failure warns
+# too when it is the first. The warning is issued by whichever call settles
+# the write; flush() settles them all. Once a failure has been raised, the
+# user has heard: later ones are only counted.
+# A failed read cannot be worked around, the disk held the only copy: get()
+# raises (a TierstoreError, or CorruptDataError for wrong bytes) and the
+# entry stays where it is, so a retry after a transient error may succeed.
 
 # NOTE [ Prefetch ]
 # Backward asks for entries in the order the Schedule predicts (recorded from
@@ -261,7 +282,10 @@ class TierManager:
         self._schedule = Schedule()
         self._writing: dict[int, _Entry] = {}  # NOTE [ Write-behind ]
         self._queued_bytes = 0
-        self._failure: BaseException | None = None
+        # The first failed write past the host room, and its entry's key.
+        self._failure: tuple[BaseException, int] | None = None
+        self._failed_writes = 0
+        self._warned_write = False
         # Reads ahead: disk reads (futures) and, on CUDA, H2D copies of host entries.
         self._window: dict[int, tuple[concurrent.futures.Future[torch.Tensor] | DeviceCopy, int]]
         self._window = {}
@@ -323,6 +347,7 @@ class TierManager:
                 self._deduplicated += 1
                 return self._handle(entry, t)
             self._wait_for_queue()
+            self.check_open()  # closed by another thread while this one waited
             size = resting_nbytes(t) if nbytes is None else nbytes
             entry = _Entry(next(self._keys), t.detach(), size)
             self._land(entry, 0)
@@ -404,7 +429,8 @@ class TierManager:
         start = time.perf_counter()
         try:
             with torch.profiler.record_function("tierstore::unpack_wait"):
-                span = future.result()  # outside the lock: NOTE [ Movers ]
+                self._pipeline.wait([future])  # outside the lock: NOTE [ Movers ]
+                span = future.result()  # close() waits for reads under way: never cancelled
         finally:
             waited = time.perf_counter() - start
             with self._lock:
@@ -456,6 +482,7 @@ class TierManager:
                 host_pool_bytes=pool.reserved_bytes if pool is not None else 0,
                 host_pool_misses=pool.allocations_outside if pool is not None else 0,
                 disk_io=backend.io_path if backend is not None else None,
+                failed_writes=self._failed_writes,
             )
 
     def flush(self) -> None:
@@ -490,8 +517,10 @@ class TierManager:
             self._copying.clear()
             self._copying_bytes = 0
         # Requests under way end first (their callbacks take no lock); then the
-        # threads stop and the backend and its directory go.
-        concurrent.futures.wait(futures)
+        # threads stop and the backend and its directory go. With a dead I/O
+        # thread they never end (NOTE [ A dead I/O thread ]): close anyway.
+        with contextlib.suppress(TierstoreError):
+            self._pipeline.wait(futures)
         with self._lock:
             self._entries.clear()
             self._dedupe.clear()
@@ -541,6 +570,7 @@ class TierManager:
         self._tiers[tier].add(entry, entry.nbytes)
 
     def _write_disk(self, entry: _Entry) -> None:
+        self._pipeline.check_alive()  # before anything changes: a dead thread writes nothing
         state = self._tiers["disk"]
         ahead = self._window.pop(entry.key, None)  # a copy back from the host tier
         if ahead is not None:
@@ -553,7 +583,7 @@ class TierManager:
             # space they will give back: settle them before calling it full.
             # The lock stays held (we are mid-placement); write callbacks never
             # take it, so this cannot deadlock.
-            concurrent.futures.wait([e.writing for e in self._writing.values() if e.writing])
+            self._pipeline.wait([e.writing for e in self._writing.values()])
             self._harvest()
         if state.bytes + reserve > state.budget:
             raise TierFullError(
@@ -669,7 +699,7 @@ class TierManager:
         pending = [f for f in futures if f is not None and not f.done()]
         start = time.perf_counter()
         if pending:
-            self._unlocked(lambda: concurrent.futures.wait(pending))
+            self._unlocked(lambda: self._pipeline.wait(pending))
         self._harvest()
         return time.perf_counter() - start
 
@@ -696,14 +726,25 @@ class TierManager:
                 # Nothing reached the disk; the bytes are still in entry.tensor.
                 disk.remove(entry, entry.footprint)
                 entry.footprint = 0
+                host = self._tiers["host"]
+                allowed = host.budget + int(self.config.write_queue_bytes)
+                # A released entry needs no room: its failure is only counted.
+                roomy = not alive or host.bytes + self._queued_bytes + entry.nbytes <= allowed
                 if alive:
                     entry.tier = "host"
-                    self._tiers["host"].add(entry, entry.nbytes)
+                    host.add(entry, entry.nbytes)
                 else:
                     self._pipeline.free_host(entry.block)
                     entry.block = None
-                if error is not None and self._failure is None:
-                    self._failure = error
+                if error is not None:  # NOTE [ Failed writes ]
+                    self._failed_writes += 1
+                    if not roomy:
+                        if self._failure is None or self._failure[1] not in self._entries:
+                            self._failure = (error, key)
+                    elif not self._warned_write:
+                        self._warned_write = True
+                        warning = self._write_failed_warning(entry, error, kept=alive)
+                        warnings.warn(warning, stacklevel=2)
                 continue
             record = future.result()
             self._pipeline.free_host(entry.block)  # the bytes are on disk now
@@ -715,13 +756,33 @@ class TierManager:
                 disk.remove(entry, entry.footprint)
                 self._pipeline.delete(key)
 
+    @staticmethod
+    def _write_failed_warning(entry: _Entry, error: BaseException, kept: bool) -> TierstoreWarning:
+        fate = (
+            "stays in host memory, within host_budget + write_queue_bytes, and the step goes on"
+            if kept
+            else "was released before its write ended, so nothing was lost"
+        )
+        return TierstoreWarning(
+            f"tierstore: a write to the disk tier failed ({error}); the saved tensor of "
+            f"{human_bytes(entry.nbytes)} {fate}. Later failures are only counted, in "
+            "stats().failed_writes; "
+            f"check the disk under disk_path ({ENV_PREFIX}DISK_PATH)"
+        )
+
     def _raise_failure(self) -> None:
-        error, self._failure = self._failure, None
-        if error is not None:
+        failure, self._failure = self._failure, None
+        # An entry released since (its graph gone with an earlier error, say)
+        # no longer holds host memory: its failure is only counted.
+        if failure is not None and failure[1] in self._entries:
+            error = failure[0]
+            self._warned_write = True  # the user has heard: later failures are only counted
             raise TierstoreError(
                 f"tierstore: a background write to the disk tier failed: {error}; the saved "
                 "tensors it held are still in host memory. Check the disk under disk_path "
-                f"({ENV_PREFIX}DISK_PATH) or give host_budget more room"
+                f"({ENV_PREFIX}DISK_PATH), or raise host_budget ({ENV_PREFIX}HOST_BUDGET) or "
+                f"write_queue_bytes ({ENV_PREFIX}WRITE_QUEUE_BYTES) so that failed writes can "
+                "stay in host memory (they do while both have room)"
             ) from error
 
     def _top_up_window(self) -> None:
