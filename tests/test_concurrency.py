@@ -1,0 +1,443 @@
+"""Concurrency: one store shared by threads, backward on another thread, many small entries.
+
+Every test runs its threads with a join timeout and fails, instead of hanging,
+if one does not finish: a deadlock is a failure, not a stuck run.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tierstore
+from tierstore.store import TierManager, resting_nbytes
+
+JOIN_TIMEOUT_S = 60.0
+
+VARIANTS = {
+    "host": None,
+    "file": ("file", "none"),
+    "lmdb": ("lmdb", "none"),
+    "file-zstd": ("file", "zstd"),
+    "lmdb-zstd": ("lmdb", "zstd"),
+}
+
+
+def _config(name: str, disk_path: Path) -> tierstore.TierConfig:
+    variant = VARIANTS[name]
+    if variant is None:
+        return tierstore.TierConfig(
+            device_budget=0, host_budget="256MiB", disk_budget=0, min_offload_bytes=0
+        )
+    backend, compression = variant
+    return tierstore.TierConfig(
+        device_budget=0,
+        host_budget=0,
+        disk_budget="256MiB",
+        disk_path=disk_path,
+        disk_backend=backend,
+        compression=compression,
+        min_offload_bytes=0,
+    )
+
+
+@pytest.fixture
+def make_store(tmp_path: Path) -> Iterator[Callable[[str], tierstore.TierStore]]:
+    """``make_store(variant)``: a store that is closed, leaving no file, after the test."""
+    made: list[tierstore.TierStore] = []
+
+    def make(name: str) -> tierstore.TierStore:
+        store = tierstore.TierStore(_config(name, tmp_path / f"spill-{len(made)}"))
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        store.close()
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def _run_threads(*targets: Callable[[], None], timeout: float = JOIN_TIMEOUT_S) -> None:
+    """Run each target on its own thread; re-raise the first error; fail on a hang."""
+    errors: list[BaseException] = []
+
+    def guarded(target: Callable[[], None]) -> None:
+        try:
+            target()
+        except BaseException as exc:  # re-raised below, on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(t,), daemon=True) for t in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    stuck = [t.name for t in threads if t.is_alive()]
+    if stuck:
+        pytest.fail(f"threads {stuck} still running after {timeout} s: deadlock?")
+    if errors:
+        raise errors[0]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Elements as bytes in logical order (NaN payloads and -0.0 compare too)."""
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    dense = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
+    return dense.reshape(-1).view(torch.uint8)
+
+
+def _assert_empty(store: tierstore.TierStore) -> None:
+    for name, tier in store.stats().tiers.items():
+        assert (name, tier.bytes, tier.entries) == (name, 0, 0)
+    backend = store._manager._pipeline.backend_if_open
+    if backend is not None:
+        assert (len(backend), backend.used_bytes) == (0, 0)
+
+
+# -- models and their eager gradients -----------------------------------------------------
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)  # on the test's thread: nn.init uses the global generator
+    return nn.Sequential(
+        nn.Linear(16, 32),
+        nn.GELU(),
+        nn.Linear(32, 32),
+        nn.Tanh(),
+        nn.LayerNorm(32),
+        nn.Linear(32, 8),
+        nn.Softmax(dim=-1),
+    )
+
+
+def _inputs(seed: int, steps: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(12, 16, generator=gen) for _ in range(steps)]
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (model(x) * torch.arange(8.0)).sum()
+
+
+def _step_grads(model: nn.Module, x: torch.Tensor, loss: torch.Tensor) -> list[torch.Tensor]:
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert x.grad is not None
+    grads.append(x.grad.clone())
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _eager(model: nn.Module, inputs: list[torch.Tensor]) -> tuple[list[list[torch.Tensor]], int]:
+    """Per step, the gradients eager autograd computes; and how many tensors a step saves."""
+    saves = 0
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saves
+        saves += 1
+        return t
+
+    grads = []
+    for x0 in inputs:
+        x = x0.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+            loss = _loss(model, x)
+        grads.append(_step_grads(model, x, loss))
+    assert saves % len(inputs) == 0
+    return grads, saves // len(inputs)
+
+
+def _assert_same_grads(want: list[torch.Tensor], got: list[torch.Tensor], where: str) -> None:
+    assert len(got) == len(want), where
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert torch.equal(_bits(a), _bits(b)), f"{where}: gradient {i} differs from eager"
+
+
+# -- (a) two threads, one store ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["host", "file", "lmdb-zstd"])
+def test_two_threads_share_one_store(name: str, make_store: Callable[..., Any]) -> None:
+    store = make_store(name)
+    steps = 25
+    # Same architecture in both threads: their saved tensors have the same shapes
+    # and dtypes, so a store that mixed them up would not notice by metadata.
+    models = [_model(10), _model(20)]
+    inputs = [_inputs(1, steps), _inputs(2, steps)]
+    expected = [_eager(m, xs) for m, xs in zip(models, inputs, strict=True)]
+    start = threading.Barrier(2, timeout=JOIN_TIMEOUT_S)
+
+    def worker(k: int) -> Callable[[], None]:
+        def run() -> None:
+            model, want = models[k], expected[k][0]
+            start.wait()
+            for i, x0 in enumerate(inputs[k]):
+                x = x0.clone().requires_grad_()
+                with store.offload():
+                    loss = _loss(model, x)
+                _assert_same_grads(want[i], _step_grads(model, x, loss), f"thread {k} step {i}")
+
+        return run
+
+    _run_threads(worker(0), worker(1))
+    stats = store.stats()
+    assert stats.packed == steps * sum(saves for _, saves in expected)
+    offloaded = stats.packed - stats.kept
+    assert offloaded > 0
+    assert stats.tiers["disk" if VARIANTS[name] else "host"].peak_bytes > 0
+    _assert_empty(store)
+
+
+@pytest.mark.parametrize("name", ["host", "file", "lmdb"])
+def test_threads_interleave_graphs_on_one_store(name: str, make_store: Callable[..., Any]) -> None:
+    """Each thread keeps two graphs alive and runs their backwards newest first."""
+    store = make_store(name)
+    steps = 10
+    models = [_model(30), _model(40)]
+    inputs = [_inputs(3, 2 * steps), _inputs(4, 2 * steps)]
+    expected = [_eager(m, xs)[0] for m, xs in zip(models, inputs, strict=True)]
+
+    def worker(k: int) -> Callable[[], None]:
+        def run() -> None:
+            model = models[k]
+            for i in range(0, 2 * steps, 2):
+                xs = [inputs[k][i].clone().requires_grad_(), inputs[k][i + 1].clone()]
+                xs[1].requires_grad_()
+                with store.offload():
+                    losses = [_loss(model, x) for x in xs]
+                for j in (1, 0):
+                    got = _step_grads(model, xs[j], losses[j])
+                    _assert_same_grads(expected[k][i + j], got, f"thread {k} step {i + j}")
+
+        return run
+
+    _run_threads(worker(0), worker(1))
+    _assert_empty(store)
+
+
+@pytest.mark.parametrize("name", ["host", "file", "lmdb"])
+def test_threads_share_a_saved_tensor(name: str, make_store: Callable[..., Any]) -> None:
+    """Both threads save the same input in lockstep: one entry, two graphs, two threads.
+
+    Each thread's first layer saves the shared input, so the second save
+    deduplicates onto the first thread's entry; whichever backward ends first
+    must leave it intact for the other.
+    """
+    store = make_store(name)
+    steps = 12
+    models = [_model(70), _model(80)]
+    shared = _inputs(9, steps)  # the same tensor objects in both threads, no grad
+
+    def grads(model: nn.Module, x: torch.Tensor, loss: torch.Tensor) -> list[torch.Tensor]:
+        loss.backward()
+        out = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        model.zero_grad(set_to_none=True)
+        return out
+
+    expected = [[grads(m, x, _loss(m, x)) for x in shared] for m in models]
+    # Saves a step of one model deduplicates on its own (tanh's result is layer_norm's input).
+    alone = []
+    for m in models:
+        before = store.stats().deduplicated
+        with store.offload():
+            loss = _loss(m, shared[0])
+        alone.append(store.stats().deduplicated - before)
+        grads(m, shared[0], loss)
+    before = store.stats().deduplicated
+    forwarded = threading.Barrier(2, timeout=JOIN_TIMEOUT_S)
+
+    def worker(k: int) -> Callable[[], None]:
+        def run() -> None:
+            for i, x in enumerate(shared):
+                with store.offload():
+                    loss = _loss(models[k], x)
+                forwarded.wait()  # both graphs hold the shared entry now
+                got = grads(models[k], x, loss)
+                _assert_same_grads(expected[k][i], got, f"thread {k} step {i}")
+                forwarded.wait()  # the next step saves a new input only after both ended
+
+        return run
+
+    _run_threads(worker(0), worker(1))
+    assert store.stats().deduplicated - before == steps * (sum(alone) + 1)
+    _assert_empty(store)
+
+
+# -- (b) backward on another thread ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["host", "file", "lmdb"])
+@pytest.mark.parametrize("forward_on", ["main", "worker"])
+def test_backward_on_another_thread(
+    name: str, forward_on: str, make_store: Callable[..., Any]
+) -> None:
+    store = make_store(name)
+    model = _model(50)
+    xs = _inputs(5, 3)
+    want, _ = _eager(model, xs)
+    for i, x0 in enumerate(xs):
+        x = x0.clone().requires_grad_()
+        box: list[Any] = []
+
+        def forward(x: torch.Tensor = x, box: list[Any] = box) -> None:
+            with store.offload():
+                box.append(_loss(model, x))
+
+        def backward(x: torch.Tensor = x, box: list[Any] = box) -> None:
+            box.append(_step_grads(model, x, box.pop()))
+
+        if forward_on == "main":
+            forward()
+            _run_threads(backward)
+        else:
+            _run_threads(forward)
+            backward()
+        _assert_same_grads(want[i], box.pop(), f"step {i}")
+    _assert_empty(store)
+
+
+@pytest.mark.parametrize("name", ["host", "file", "lmdb"])
+def test_forward_and_backward_threads_pipelined(name: str, make_store: Callable[..., Any]) -> None:
+    """One thread runs forwards while another runs the backwards of earlier steps."""
+    store = make_store(name)
+    steps = 20
+    model = _model(60)
+    xs = _inputs(6, steps)
+    want, _ = _eager(copy.deepcopy(model), xs)
+    graphs: queue.Queue[tuple[int, torch.Tensor, torch.Tensor] | None] = queue.Queue(maxsize=3)
+
+    def producer() -> None:
+        try:
+            for i, x0 in enumerate(xs):
+                x = x0.clone().requires_grad_()
+                with store.offload():
+                    loss = _loss(model, x)
+                graphs.put((i, x, loss), timeout=JOIN_TIMEOUT_S)
+        finally:
+            graphs.put(None, timeout=JOIN_TIMEOUT_S)
+
+    def consumer() -> None:
+        done = 0
+        while (item := graphs.get(timeout=JOIN_TIMEOUT_S)) is not None:
+            i, x, loss = item
+            del item
+            # Forward of later steps runs meanwhile and reads the same parameters;
+            # gradients accumulate here only, in step order, as in eager.
+            loss.backward()
+            assert x.grad is not None
+            _assert_same_grads(want[i][-1:], [x.grad], f"input gradient of step {i}")
+            done += 1
+        assert done == steps
+
+    _run_threads(producer, consumer)
+    # Parameter gradients accumulated over all steps, as the same eager loop does.
+    eager = copy.deepcopy(model)
+    eager.zero_grad(set_to_none=True)
+    for x in xs:
+        _loss(eager, x).backward()
+    for (n, a), b in zip(eager.named_parameters(), model.parameters(), strict=True):
+        assert b.grad is not None and torch.equal(_bits(a.grad), _bits(b.grad)), n
+    _assert_empty(store)
+
+
+# -- (c) many small tensors ----------------------------------------------------------------
+
+SMALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
+
+
+def _small_tensors(seed: int, n: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(0, 9, (n,), generator=gen).tolist()
+    out = []
+    for i, size in enumerate(sizes):
+        dtype = SMALL_DTYPES[i % len(SMALL_DTYPES)]
+        raw = torch.randint(
+            0,
+            2 if dtype == torch.bool else 256,
+            (size * dtype.itemsize,),
+            generator=gen,
+            dtype=torch.uint8,
+        )
+        out.append(raw.view(dtype))
+    return out
+
+
+@pytest.mark.parametrize("name", ["host", "file", "lmdb"])
+def test_ten_thousand_small_entries(name: str, tmp_path: Path) -> None:
+    """10 000 entries, put by two threads at once: each comes back exact; stats add up.
+
+    On the disk variants the host tier takes about 60% of the bytes and the
+    oldest entries are demoted to disk (a few thousand records: all 10 000 on
+    disk would take most of a minute on a small machine).
+    """
+    per_thread = 5000
+    total = 2 * per_thread
+    tensors = [_small_tensors(7, per_thread), _small_tensors(8, per_thread)]
+    want = [[_bits(t) for t in ts] for ts in tensors]
+    raw_bytes = sum(resting_nbytes(t) for ts in tensors for t in ts)
+    config = _config(name, tmp_path / "spill")
+    if VARIANTS[name] is not None:
+        config = config.model_copy(update={"host_budget": raw_bytes * 3 // 5})
+    store = tierstore.TierStore(config)
+    mgr: TierManager = store._manager
+    handles: list[list[Any]] = [[], []]
+
+    def putter(k: int, mine: list[torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            handles[k].extend(mgr.put(t) for t in mine)
+
+        return run
+
+    _run_threads(putter(0, tensors[0]), putter(1, tensors[1]))
+    del tensors  # from here on only the store has the bytes
+    mgr.flush()
+    full = store.stats()
+    host, disk = full.tiers["host"], full.tiers["disk"]
+    assert (full.packed, full.deduplicated, full.kept) == (total, 0, 0)
+    assert full.tiers["device"].entries == 0
+    assert host.entries + disk.entries == total  # each entry rests in exactly one tier
+    # Every entry landed in the host tier first; demotion kept it within budget.
+    assert host.bytes_written == raw_bytes
+    assert host.bytes <= host.peak_bytes <= config.host_budget
+    backend = mgr._pipeline.backend_if_open
+    if VARIANTS[name] is None:
+        assert host.bytes == host.peak_bytes == raw_bytes and disk.bytes_written == 0
+        assert backend is None
+    else:
+        assert disk.entries > total // 10 and host.entries > total // 10
+        assert backend is not None
+        assert (len(backend), backend.used_bytes) == (disk.entries, disk.bytes)
+        assert disk.bytes <= disk.peak_bytes <= config.disk_budget
+        assert disk.bytes_written >= disk.bytes >= raw_bytes - host.bytes
+
+    def getter(k: int) -> Callable[[], None]:
+        def run() -> None:
+            for i in reversed(range(per_thread)):  # newest first, as backward does
+                got = mgr.get(handles[k][i])
+                assert torch.equal(_bits(got), want[k][i]), f"thread {k} entry {i}"
+
+        return run
+
+    _run_threads(getter(0), getter(1))
+    read = store.stats()
+    assert read.tiers["host"].bytes_read == host.bytes  # each host entry read once
+    # Each disk entry read once: a hit or a miss, reading its footprint.
+    assert read.prefetch_hits + read.prefetch_misses == disk.entries
+    assert read.tiers["disk"].bytes_read == disk.bytes
+    handles = [[], []]
+    after = store.stats()
+    _assert_empty(store)
+    for t in ("host", "disk"):  # a high-water mark stays
+        assert after.tiers[t].peak_bytes == full.tiers[t].peak_bytes
+    assert after.packed == total
+    store.close()
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
