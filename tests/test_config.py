@@ -15,6 +15,7 @@ KNOWN = (
     "prefetch_bytes, write_queue_bytes"
 )
 SIZE = "expected a size such as '4GiB', '512MB' or a whole number of bytes"
+UNITS = "the units are B, KB, MB, GB, TB, PB, EB, KiB, MiB, GiB, TiB, PiB or EiB"
 
 
 def test_sizes_accept_units_and_ints() -> None:
@@ -67,7 +68,7 @@ BAD_ARGUMENTS = [
     (
         {"disk_budget": "4 gigs"},
         "tierstore: disk_budget='4 gigs' from argument is not valid "
-        f"(could not interpret byte unit: gigs); {SIZE}",
+        f"(unknown unit 'gigs'; {UNITS}); {SIZE}",
     ),
     (
         {"host_budget": -1},
@@ -103,13 +104,15 @@ BAD_ARGUMENTS = [
     ),
     (
         {"device_budget": 0, "host_budget": 0, "disk_budget": 0},
-        "tierstore: device_budget, host_budget and disk_budget are all 0, so no tier can hold "
-        "a saved tensor; give at least one of them a size",
+        "tierstore: device_budget=0 (from argument), host_budget=0 (from argument) and "
+        "disk_budget=0 (from argument) are all 0, so no tier can hold a saved tensor; give at "
+        "least one of them a size",
     ),
     (
         {"compression": "zstd", "disk_budget": 0},
-        "tierstore: compression='zstd' applies to the disk tier, but disk_budget=0 disables it; "
-        "set compression='none' or give disk_budget a size",
+        "tierstore: compression='zstd' (from argument) applies to the disk tier, but "
+        "disk_budget=0 (from argument) disables it; set compression='none' or give disk_budget "
+        "a size",
     ),
 ]
 
@@ -139,7 +142,7 @@ def test_bad_env(monkeypatch: pytest.MonkeyPatch) -> None:
         tierstore.TierConfig()
     assert str(info.value) == (
         "tierstore: host_budget='3 gigs' from environment variable TIERSTORE_HOST_BUDGET is not "
-        f"valid (could not interpret byte unit: gigs); {SIZE}"
+        f"valid (unknown unit 'gigs'; {UNITS}); {SIZE}"
     )
 
 
@@ -160,7 +163,7 @@ def test_bad_toml_value_and_key(tmp_path: Path) -> None:
         tierstore.TierConfig()
     assert str(info.value) == (
         f"tierstore: disk_budget='2 parsecs' from TOML file {Path('tierstore.toml')}, key "
-        f"disk_budget is not valid (could not interpret byte unit: parsecs); {SIZE}"
+        f"disk_budget is not valid (unknown unit 'parsecs'; {UNITS}); {SIZE}"
     )
     toml.write_text("disk_budgt = 1\n")
     with pytest.raises(tierstore.ConfigError) as info:

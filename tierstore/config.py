@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import contextvars
 import difflib
+import math
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -57,6 +60,7 @@ CONFIG_ENV = "TIERSTORE_CONFIG"
 DEFAULT_TOML = Path("tierstore.toml")
 
 _SIZE_FORM = "a size such as '4GiB', '512MB' or a whole number of bytes"
+_BOOL_FORM = "true or false (also 1/0, yes/no, on/off)"
 
 # load_config(path=...) hands its path to the TOML source through this variable:
 # pydantic-settings builds sources in a classmethod, with no per-call arguments.
@@ -64,19 +68,90 @@ _toml_override: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "tierstore_toml_override", default=None
 )
 
+# NOTE [ Size syntax ]
+#
+# A size is a whole number of bytes: an int, a float with no fraction, or a
+# string "<number> <unit>". Pydantic's ByteSize alone is too lenient: it
+# matches only a prefix of the string, so "4 GB/s" was 4 GB and "4 GiB 7" was
+# 4 GiB; it truncates "0.5" to 0 bytes; it takes bits ("1 Gbit"), True as
+# 1 byte, and reports -1 or a list only as "could not parse". The parser below
+# takes the whole string, computes in Decimal (so "1.1 GB" is exact), and says
+# what is wrong. Units are ByteSize's byte units, case-insensitive, so every
+# size that parsed before and meant whole bytes still parses to the same value.
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    **{p: 10 ** (3 * (i + 1)) for i, p in enumerate("kmgtpe")},
+    **{p + "b": 10 ** (3 * (i + 1)) for i, p in enumerate("kmgtpe")},
+    **{p + "ib": 2 ** (10 * (i + 1)) for i, p in enumerate("kmgtpe")},
+}
+_UNIT_NAMES = "B, KB, MB, GB, TB, PB, EB, KiB, MiB, GiB, TiB, PiB or EiB"
+_SIZE_RE = re.compile(r"\s*(?P<sign>[-+]?)(?P<number>\d+\.?\d*|\.\d+)\s*(?P<unit>.*?)\s*")
+
+
+def _kind(value: object) -> str:
+    """``a list``, ``an int``: the type of a value, for "... is not a size"."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
 
 def _size_input(value: Any) -> Any:
-    # ByteSize would take True as 1 byte and say of -1 only that it cannot
-    # parse it; both deserve a plainer answer.
+    # NOTE [ Size syntax ]; returns an int of bytes for ByteSize to wrap.
     if isinstance(value, bool):
         raise ValueError("a bool is not a size")
-    if isinstance(value, int | float) and value < 0:
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("a size cannot be negative")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{value} is not a number of bytes")
+        if value < 0:
+            raise ValueError("a size cannot be negative")
+        if not value.is_integer():
+            raise ValueError(f"{value} is not a whole number of bytes")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{_kind(value)} is not a size")
+    match = _SIZE_RE.fullmatch(value)
+    if match is None:
+        raise ValueError("not a number followed by a unit" if value.strip() else "an empty size")
+    if match["sign"] == "-" and Decimal(match["number"]) != 0:
         raise ValueError("a size cannot be negative")
+    unit = match["unit"]
+    if unit.lower() not in _UNITS:
+        raise ValueError(f"unknown unit {unit!r}; the units are {_UNIT_NAMES}")
+    nbytes = Decimal(match["number"]) * _UNITS[unit.lower()]
+    if nbytes != nbytes.to_integral_value():
+        raise ValueError(f"{value.strip()} is not a whole number of bytes")
+    return int(nbytes)
+
+
+def _int_input(value: Any) -> Any:
+    # Pydantic's lax int takes True as 1: io_workers=True is a slip, not a count.
+    if isinstance(value, bool):
+        raise ValueError("a bool is not a whole number")
     return value
 
 
-#: Bytes, given as an int or a string with a unit ("4GiB", "512MB").
+def _path_input(value: Any) -> Any:
+    if isinstance(value, str):
+        # Path("") is the working directory: never what an empty setting meant.
+        if not value.strip():
+            raise ValueError("an empty path")
+    elif not isinstance(value, os.PathLike):
+        raise ValueError(f"{_kind(value)} is not a path")
+    if "\0" in os.fspath(value):
+        raise ValueError("a path cannot contain a NUL character")
+    return value
+
+
+#: Bytes, given as an int or a string with a unit ("4GiB", "512MB"); NOTE [ Size syntax ].
 Size = Annotated[ByteSize, BeforeValidator(_size_input)]
+#: A whole number that is not a bool.
+Count = Annotated[int, BeforeValidator(_int_input)]
 
 
 def human_bytes(n: int) -> str:
@@ -91,6 +166,28 @@ def human_bytes(n: int) -> str:
     if n < 1024:
         return f"{n} B"
     return ByteSize(n).human_readable(separator=" ")
+
+
+class _Conflict(ValueError):
+    """Settings valid alone that contradict each other (NOTE [ Conflicting settings ]).
+
+    ``template`` names each setting as ``{name}``; the message shows its value
+    and source there, e.g. ``disk_budget=0 (from argument)``.
+    """
+
+    def __init__(self, template: str, values: dict[str, Any]) -> None:
+        super().__init__(template)
+        self.template = template
+        self.values = values
+
+    def explain(self, origins: Mapping[str, Origin]) -> str:
+        """The message, each setting shown with its value and where that came from."""
+        shown = {}
+        for name, value in self.values.items():
+            origin = origins[name]
+            source = "the default" if origin.kind == "default" else f"from {origin.describe()}"
+            shown[name] = f"{name}={value!r} ({source})"
+        return "tierstore: " + self.template.format(**shown)
 
 
 class TierConfig(BaseSettings):
@@ -157,44 +254,88 @@ class TierConfig(BaseSettings):
         description="Bytes of copies queued behind forward (disk writes; D2H copies on CUDA); "
         "past it, pack waits.",
     )
-    io_workers: int = Field(
+    io_workers: Count = Field(
         default=4, ge=1, le=64, description="Disk reads and writes in flight at once."
     )
     compression: Literal["none", "zstd"] = Field(
         default="none", description="Compression of disk entries (zstd with byte shuffle)."
     )
-    compression_level: int = Field(
+    compression_level: Count = Field(
         default=1, ge=1, le=22, description="zstd level when compression='zstd'."
     )
 
     @field_validator("disk_path", mode="before")
     @classmethod
-    def _non_empty_disk_path(cls, value: Any) -> Any:
-        # Path("") is the working directory: never what an empty setting meant.
-        if isinstance(value, str) and not value.strip():
-            raise ValueError("an empty path")
-        return value
+    def _path_like_disk_path(cls, value: Any) -> Any:
+        return _path_input(value)
 
     @field_validator("disk_path")
     @classmethod
     def _absolute_disk_path(cls, value: Path) -> Path:
         # Fix the directory now: a later chdir must not move the spill files.
-        path = value.expanduser().absolute()
-        if path.exists() and not path.is_dir():
-            raise ValueError("exists and is not a directory")
+        try:
+            path = value.expanduser().absolute()
+        except RuntimeError as exc:  # "~nobody/x": no such user, or no home directory
+            raise ValueError(f"cannot expand '~': {exc}") from None
+        try:
+            if path.exists() and not path.is_dir():
+                raise ValueError("exists and is not a directory")
+            # The spill directory is created on first use, parents included; a
+            # parent that is a file makes that impossible, whatever the disk holds.
+            for parent in path.parents:
+                if parent.exists():
+                    if not parent.is_dir():
+                        raise ValueError(f"{parent} is not a directory")
+                    break
+        except OSError:
+            # Not allowed to look (EACCES): opening the disk tier says what is wrong.
+            pass
         return path
 
+    # NOTE [ Conflicting settings ]
+    #
+    # Each value below is valid on its own; a combination is an error only
+    # when the store could not do what the settings ask, whatever the model.
+    # Errors:
+    # - device_budget, host_budget and disk_budget all 0: no tier can hold a
+    #   saved tensor, so every tensor of min_offload_bytes or more would raise
+    #   TierFullError in forward. (No test or example uses all three 0 to mean
+    #   "keep everything": min_offload_bytes or tierstore.keep() say that.)
+    # - compression='zstd' with disk_budget=0: compression applies only to
+    #   disk entries; asking for it with no disk tier is a contradiction the
+    #   user should hear about (issue 6), not a setting silently ignored.
+    # Considered and not errors (sources layer: a TOML file or environment
+    # sets the defaults of a fleet, an argument turns one thing off, and that
+    # must not make the other settings fail):
+    # - compression_level with compression='none' or disk_budget=0: the level
+    #   is inert until compression is on.
+    # - disk_backend / disk_path / io_workers with disk_budget=0: the backend
+    #   is opened only when an entry reaches the disk (pipeline.py), i.e. never;
+    #   bench train's host-only strategy passes disk_backend with disk_budget=0.
+    # - min_offload_bytes larger than every budget: only tensors that large
+    #   fail, and only if one shows up (TierFullError names the budget then);
+    #   a huge min_offload_bytes is a way to keep everything on the device.
+    # - host_pool_step larger than host_budget: HostPool caps each chunk at the
+    #   room left; host_pool_step=0 gives each block a chunk of its own size.
+    # - write_queue_bytes=0: writes are synchronous (pack waits for each).
+    #   prefetch_bytes=0: no read-ahead; every unpack from disk is a miss.
+    # - prefetch_bytes or write_queue_bytes above host_budget: they bound
+    #   bytes in flight, which are not counted in the host tier.
+    # - pin_memory without CUDA: there is nothing to pin; ignored.
     @model_validator(mode="after")
     def _consistent(self) -> TierConfig:
-        if self.device_budget + self.host_budget + self.disk_budget == 0:
-            raise ValueError(
-                "device_budget, host_budget and disk_budget are all 0, so no tier can hold "
-                "a saved tensor; give at least one of them a size"
+        budgets = ("device_budget", "host_budget", "disk_budget")
+        if all(getattr(self, name) == 0 for name in budgets):
+            raise _Conflict(
+                "{device_budget}, {host_budget} and {disk_budget} are all 0, so no tier can "
+                "hold a saved tensor; give at least one of them a size",
+                {name: int(getattr(self, name)) for name in budgets},
             )
         if self.compression != "none" and self.disk_budget == 0:
-            raise ValueError(
-                f"compression={self.compression!r} applies to the disk tier, but "
-                "disk_budget=0 disables it; set compression='none' or give disk_budget a size"
+            raise _Conflict(
+                "{compression} applies to the disk tier, but {disk_budget} disables it; "
+                "set compression='none' or give disk_budget a size",
+                {"compression": self.compression, "disk_budget": int(self.disk_budget)},
             )
         return self
 
@@ -360,16 +501,17 @@ class _EnvSource(EnvSettingsSource):
         return super().__call__()
 
 
-def _env_values() -> dict[str, str]:
+def _env_names() -> dict[str, str]:
+    """Field name -> the variable that sets it, spelt as in the environment."""
     return {
-        name[len(ENV_PREFIX) :].lower(): value
-        for name, value in os.environ.items()
+        name[len(ENV_PREFIX) :].lower(): name
+        for name in os.environ
         if name.upper().startswith(ENV_PREFIX) and name.upper() != CONFIG_ENV
     }
 
 
 def _origins(arguments: Mapping[str, Any]) -> dict[str, Origin]:
-    env = _env_values()
+    env = _env_names()
     toml_path = _toml_path()
     toml = _read_toml(toml_path) if toml_path is not None else {}
     out: dict[str, Origin] = {}
@@ -377,7 +519,7 @@ def _origins(arguments: Mapping[str, Any]) -> dict[str, Origin]:
         if name in arguments:
             out[name] = Origin("argument", name)
         elif name in env:
-            out[name] = Origin("env", ENV_PREFIX + name.upper())
+            out[name] = Origin("env", env[name])
         elif name in toml:
             out[name] = Origin("toml", f"{toml_path}, key {name}")
         else:
@@ -399,6 +541,8 @@ def _expected(name: str) -> str:
         return "one of " + ", ".join(repr(a) for a in args)
     if annotation is Path:
         return "a path to a writable directory"
+    if annotation is bool:
+        return _BOOL_FORM
     if annotation is int:
         bounds = [m for m in field.metadata if hasattr(m, "ge") or hasattr(m, "le")]
         lo = next((m.ge for m in bounds if hasattr(m, "ge")), None)
@@ -406,7 +550,9 @@ def _expected(name: str) -> str:
         if lo is not None and hi is not None:
             return f"a whole number from {lo} to {hi}"
         return "a whole number"
-    return str(annotation)
+    # A new field of another type: the matrix in tests/test_config_matrix.py
+    # fails until it has a form of its own here.
+    return f"a {getattr(annotation, '__name__', annotation)}"
 
 
 def _unknown(key: str, source: str, *, env: bool = False) -> str:
@@ -433,6 +579,8 @@ def _explain(exc: ValidationError, arguments: Mapping[str, Any]) -> str:
                 f"tierstore: {name}={value!r} from {origin.describe()} is not valid "
                 f"({error['msg'].removeprefix('Value error, ')}); expected {_expected(name)}"
             )
-        else:  # a model-level check that involves several settings
+        elif isinstance(conflict := error.get("ctx", {}).get("error"), _Conflict):
+            lines.append(conflict.explain(origins))
+        else:  # pragma: no cover - every model-level check raises _Conflict
             lines.append(f"tierstore: {error['msg'].removeprefix('Value error, ')}")
     return "\n".join(lines)
