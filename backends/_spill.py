@@ -32,6 +32,40 @@ Races the sweep has to survive:
 * ``fork()``: a child shares the parent's lock (same open file description),
   so the directory stays alive while either lives; only the creating process
   removes the directory at exit, a forked child just drops its copy of the fd.
+
+NOTE [ Spill directory security ]
+
+The threat is another local user who can write where ``root`` lives (``/tmp``,
+a shared scratch disk) and plants something there first, to read the saved
+activations, to make us write through a link into a file of theirs, or to
+make a sweep delete what is not ours. So:
+
+* ``root`` may be a symbolic link (``/scratch -> /mnt/nvme`` is legitimate)
+  only if the link belongs to us or to root; another user's link is refused,
+  not followed. The path is resolved once, and everything after works in the
+  resolved directory, so swapping a link later moves nothing of ours. (Links
+  among the ancestors of ``root`` are followed like the ancestors themselves:
+  unchecked.)
+* The resolved ``root`` must belong to us or to root: whoever owns a
+  directory can rename or replace anything in it, sticky bit or not. It must
+  not be writable by every user unless it is sticky (``/tmp`` is 1777): in a
+  world-writable, non-sticky directory anyone can rename our directory away
+  and put theirs in its place. Group write is allowed, for the user-private
+  groups of a ``umask 002`` system; the ancestors of ``root`` are not
+  checked.
+* The private directory is always made by ``mkdir`` under a random name, so
+  it never pre-exists: a name already taken (a planted symlink, another
+  store's directory) is skipped, never followed or reused.
+* Files inside are opened with ``O_NOFOLLOW`` (and ``O_EXCL`` when created),
+  mode 0600.
+* A sweep opens each candidate with ``O_DIRECTORY | O_NOFOLLOW`` (so never
+  through a symlink), checks that the directory and its ``.lock`` (opened
+  ``O_NOFOLLOW``, relative to that descriptor) are ours, and removes what is
+  inside through the same descriptor: a directory renamed or swapped while
+  the sweep runs cannot redirect the removal, and a symlink inside is
+  unlinked, never followed.
+
+Nothing is checked against the superuser: every check above trusts uid 0.
 """
 
 from __future__ import annotations
@@ -40,9 +74,9 @@ import contextlib
 import errno
 import fcntl
 import os
+import secrets
 import shutil
 import stat
-import tempfile
 import weakref
 from pathlib import Path
 
@@ -52,6 +86,12 @@ __all__ = ["SpillDir"]
 
 _LOCK_NAME = ".lock"
 _LOCK_TMP_NAME = ".lock-setup"
+
+#: Random names tried for the private directory before giving up.
+_NAME_TRIES = 100
+
+_HINT = "set disk_path (TIERSTORE_DISK_PATH) to a writable local directory"
+_OWN_HINT = "set disk_path (TIERSTORE_DISK_PATH) to a local directory you own"
 
 
 def _rank_part() -> str:
@@ -99,43 +139,144 @@ def _make_dirs(root: Path) -> None:
             os.mkdir(d, 0o700)
 
 
-def _sweep_stale(root: Path, prefix: str) -> int:
-    """Remove the spill directories of dead processes; returns how many."""
-    removed = 0
-    uid = os.getuid()
-    try:
-        entries = list(os.scandir(root))
-    except OSError:
-        return 0  # best effort: creating our own directory reports the real problem
+def _random_name() -> str:
+    """The random part of a private directory's name: 12 lowercase hex digits."""
+    return secrets.token_hex(6)
+
+
+def _make_private_dir(root: Path, stem: str) -> str:
+    """``mkdir <root>/<stem><random>``, mode 0700; returns its path.
+
+    A name already taken is skipped, whatever is there (``NOTE [ Spill
+    directory security ]``): mkdir never follows a symlink or reuses an entry.
+    """
+    for _ in range(_NAME_TRIES):
+        path = os.path.join(root, stem + _random_name())
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(
+        errno.EEXIST, f"{_NAME_TRIES} random names all taken", os.path.join(root, stem + "*")
+    )
+
+
+def _owner(uid: int) -> str:
+    return "root" if uid == 0 else f"uid {uid}"
+
+
+def _checked_root(root: Path) -> Path:
+    """``root`` resolved, once it passes ``NOTE [ Spill directory security ]``.
+
+    Raises:
+        ConfigError: ``root`` is another user's symlink, resolves to another
+            user's directory, or to a world-writable directory without the
+            sticky bit.
+        OSError: ``root`` cannot be looked at, or is not a directory.
+    """
+    me = os.geteuid()
+    trusted = (me, 0)
+    link = os.lstat(root)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in trusted:
+        raise ConfigError(
+            f"tierstore: disk_path='{root}' is a symbolic link owned by {_owner(link.st_uid)}, "
+            f"not by you (uid {me}) or root, and is not followed; {_OWN_HINT}"
+        )
+    resolved = Path(os.path.realpath(root))
+    st = os.stat(resolved)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(root))
+    where = f"disk_path='{root}'" if resolved == root else f"disk_path='{root}' (-> '{resolved}')"
+    if st.st_uid not in trusted:
+        raise ConfigError(
+            f"tierstore: {where} is owned by {_owner(st.st_uid)}, not by you (uid {me}) or "
+            f"root, so its owner could read or replace the spill files; {_OWN_HINT}"
+        )
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise ConfigError(
+            f"tierstore: {where} is writable by every user and not sticky "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}), so another user could replace the "
+            f"spill directory; make it sticky (chmod +t) or {_OWN_HINT}"
+        )
+    return resolved
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _clear(dir_fd: int) -> None:
+    """Remove everything inside the directory open at ``dir_fd``, never following a link.
+
+    Works from descriptors, not paths, so that renaming a directory on the
+    way cannot point the removal somewhere else.
+    """
+    with os.scandir(dir_fd) as it:
+        entries = list(it)
     for entry in entries:
-        if not entry.name.startswith(prefix):
-            continue
+        if entry.is_dir(follow_symlinks=False):
+            sub = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
+            try:
+                _clear(sub)
+            finally:
+                os.close(sub)
+            os.rmdir(entry.name, dir_fd=dir_fd)
+        else:
+            os.unlink(entry.name, dir_fd=dir_fd)  # a symlink goes, not its target
+
+
+def _sweep_one(root_fd: int, name: str, uid: int) -> bool:
+    """Remove ``<root>/<name>`` if it is our directory and its owner is dead."""
+    try:
+        dir_fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+    except OSError:
+        return False  # a symlink (ELOOP), a file, gone meanwhile, or not readable
+    try:
+        if os.fstat(dir_fd).st_uid != uid:
+            return False  # another user's directory is never ours
         try:
-            st = entry.stat(follow_symlinks=False)
+            lock_fd = os.open(_LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         except OSError:
-            continue
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
-            continue  # symlinks, files and other users' directories are never ours
-        try:
-            fd = os.open(
-                os.path.join(entry.path, _LOCK_NAME),
-                os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
-            )
-        except OSError:
-            continue  # no lock file: still being set up, or not ours
+            return False  # no lock file: still being set up, or not a spill directory
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                continue  # the owner is alive
-            if os.fstat(fd).st_uid != uid:
-                continue
-            shutil.rmtree(entry.path, ignore_errors=True)
-            if not os.path.lexists(entry.path):
-                removed += 1
+                return False  # the owner is alive
+            if os.fstat(lock_fd).st_uid != uid:
+                return False
+            try:
+                _clear(dir_fd)
+                os.rmdir(name, dir_fd=root_fd)
+            except OSError:
+                return False  # another sweeper was faster, or something is in the way
+            return True
         finally:
-            os.close(fd)
-    return removed
+            os.close(lock_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _sweep_stale(root: Path, prefix: str) -> int:
+    """Remove the spill directories of dead processes; returns how many.
+
+    See ``NOTE [ Spill directory lifecycle ]`` for liveness and ``NOTE [ Spill
+    directory security ]`` for what is never touched.
+    """
+    uid = os.geteuid()
+    try:
+        root_fd = os.open(root, _DIR_FLAGS)
+    except OSError:
+        return 0  # best effort: creating our own directory reports the real problem
+    try:
+        with os.scandir(root_fd) as it:
+            names = [e.name for e in it if e.name.startswith(prefix)]
+    except OSError:
+        names = []
+    try:
+        return sum(_sweep_one(root_fd, name, uid) for name in names)
+    finally:
+        os.close(root_fd)
 
 
 class SpillDir:
@@ -152,9 +293,16 @@ class SpillDir:
         prefix: The start of the spill directory's name; directories under
             ``root`` with this prefix are swept for stale ones.
 
+    ``root`` itself must pass the checks of ``NOTE [ Spill directory
+    security ]``: a symbolic link only if it is yours (or root's), resolving
+    to a directory that is yours (or root's) and, if every user may write
+    to it, sticky. The spill directory is made in the resolved directory.
+
     Raises:
-        ConfigError: ``root`` is not a directory, or no directory can be
-            created in it.
+        ConfigError: ``root`` is not a directory, no directory can be
+            created in it, or it fails a check of ``NOTE [ Spill directory
+            security ]`` (another user's symlink or directory, or a
+            world-writable directory without the sticky bit).
 
     Example:
         >>> import os, tempfile
@@ -174,25 +322,23 @@ class SpillDir:
     """How many stale directories of dead processes this instance removed."""
 
     def __init__(self, root: Path, prefix: str = "tierstore-") -> None:
-        root = Path(root)
+        root = Path(os.path.abspath(root))
         try:
             _make_dirs(root)
-            if not root.is_dir():
-                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(root))
-            self.removed_stale = _sweep_stale(root, prefix)
-            path = tempfile.mkdtemp(prefix=f"{prefix}{_rank_part()}{os.getpid()}-", dir=root)
+            # Resolved once: NOTE [ Spill directory security ].
+            resolved = _checked_root(root)
+            self.removed_stale = _sweep_stale(resolved, prefix)
+            path = _make_private_dir(resolved, f"{prefix}{_rank_part()}{os.getpid()}-")
         except OSError as e:
             raise ConfigError(
-                f"tierstore: cannot create a spill directory under disk_path='{root}': {e}; "
-                "set disk_path (TIERSTORE_DISK_PATH) to a writable local directory"
+                f"tierstore: cannot create a spill directory under disk_path='{root}': {e}; {_HINT}"
             ) from e
         try:
             lock_fd = self._take_lock(path)
         except OSError as e:
             shutil.rmtree(path, ignore_errors=True)
             raise ConfigError(
-                f"tierstore: cannot create a spill directory under disk_path='{root}': {e}; "
-                "set disk_path (TIERSTORE_DISK_PATH) to a writable local directory"
+                f"tierstore: cannot create a spill directory under disk_path='{root}': {e}; {_HINT}"
             ) from e
         self._path = Path(path)
         self._finalizer = weakref.finalize(self, _remove, path, lock_fd, os.getpid())

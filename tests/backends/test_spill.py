@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tierstore.backends import FileBackend, LmdbBackend
+from tierstore.backends import FileBackend, LmdbBackend, _spill
 from tierstore.backends._spill import SpillDir
 from tierstore.backends.base import Backend
-from tierstore.errors import ConfigError
+from tierstore.errors import ConfigError, TierstoreError
 
 HINT = "; set disk_path (TIERSTORE_DISK_PATH) to a writable local directory"
 BACKENDS = [FileBackend, LmdbBackend]
@@ -364,3 +364,254 @@ def test_ranks_sweep_each_others_dead_dirs_and_never_a_live_one(tmp_path: Path) 
         _, err = live.communicate("\n", timeout=60)
     assert live.returncode == 0, err
     assert os.listdir(tmp_path) == []
+
+
+# -- planted entries and untrusted roots (NOTE [ Spill directory security ]) ----
+
+OWN_HINT = "; set disk_path (TIERSTORE_DISK_PATH) to a local directory you own"
+NOBODY = 65534
+needs_root = pytest.mark.skipif(
+    os.getuid() != 0, reason="needs root to give a path to another user (uid 65534)"
+)
+
+
+def _names(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
+    """Make the spill directory's random part come out as ``names``, in order."""
+    it = iter(names)
+    monkeypatch.setattr(_spill, "_random_name", lambda: next(it))
+
+
+def _tree(root: Path) -> dict[str, bytes | str]:
+    """Everything under ``root``, without following links: file bytes, link targets, dirs."""
+    out: dict[str, bytes | str] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_symlink():
+            out[rel] = f"-> {os.readlink(p)}"
+        elif p.is_dir():
+            out[rel] = "dir"
+        else:
+            out[rel] = p.read_bytes()
+    return out
+
+
+@pytest.mark.parametrize("planted", ["symlink", "dangling symlink", "directory", "file"])
+def test_an_entry_planted_at_the_private_name_is_skipped_never_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planted: str
+) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "theirs").write_bytes(b"not yours")
+    name = root / f"tierstore-{os.getpid()}-planted"
+    if planted == "symlink":
+        name.symlink_to(outside)
+    elif planted == "dangling symlink":
+        name.symlink_to(tmp_path / "nowhere")
+    elif planted == "directory":
+        name.mkdir(mode=0o777)
+    else:
+        name.write_bytes(b"")
+    before = _tree(tmp_path)
+    _names(monkeypatch, "planted", "fresh")
+
+    spill = SpillDir(root)
+    assert spill.path == root / f"tierstore-{os.getpid()}-fresh"
+    os.close(spill.open_file("entries.bin", os.O_RDWR | os.O_CREAT | os.O_EXCL))
+    assert sorted(os.listdir(spill.path)) == [".lock", "entries.bin"]
+    spill.close()
+    # Nothing was written through the planted entry, and it is still there.
+    assert _tree(tmp_path) == before
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_no_free_private_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / f"tierstore-{os.getpid()}-taken").symlink_to(tmp_path / "nowhere")
+    monkeypatch.setattr(_spill, "_random_name", lambda: "taken")
+    with pytest.raises(ConfigError) as info:
+        SpillDir(tmp_path)
+    assert str(info.value) == (
+        f"tierstore: cannot create a spill directory under disk_path='{tmp_path}': "
+        f"[Errno 17] 100 random names all taken: '{tmp_path}/tierstore-{os.getpid()}-*'{HINT}"
+    )
+    assert os.listdir(tmp_path) == [f"tierstore-{os.getpid()}-taken"]
+
+
+@pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.name)
+def test_backend_does_not_follow_a_symlink_planted_at_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cls: type[Backend]
+) -> None:
+    # Only we (or root) can write in a 0700 spill directory; this plants the
+    # link there the moment it is made, before the backend creates its file.
+    root = tmp_path / "root"
+    root.mkdir()
+    target = tmp_path / "target"
+    target.write_bytes(b"keep me")
+    file_name = {"file": "entries.bin", "lmdb": "entries.lmdb"}[cls.name]
+    make = _spill._make_private_dir
+
+    def make_and_plant(root: Path, stem: str) -> str:
+        path = make(root, stem)
+        os.symlink(target, os.path.join(path, file_name))
+        return path
+
+    monkeypatch.setattr(_spill, "_make_private_dir", make_and_plant)
+    _names(monkeypatch, "planted")
+    spill_dir = root / f"tierstore-{os.getpid()}-planted"
+    # O_CREAT | O_EXCL | O_NOFOLLOW (file), or LMDB's own open: refused, not followed.
+    opening = {"file": "cannot create the spill file", "lmdb": "cannot open an LMDB environment in"}
+    with pytest.raises(TierstoreError) as info:
+        cls(root, 1 << 20)
+    assert str(info.value) == (
+        f"tierstore: {opening[cls.name]} {spill_dir / file_name}: "
+        f"[Errno 17] File exists: '{spill_dir / file_name}'{HINT}"
+    )
+    assert target.read_bytes() == b"keep me"
+    assert os.listdir(root) == []  # the spill directory went with the failure
+
+
+def test_a_symlinked_root_of_ours_is_resolved_once(tmp_path: Path) -> None:
+    real = tmp_path / "nvme"
+    real.mkdir()
+    link = tmp_path / "scratch"
+    link.symlink_to(real)
+    spill = SpillDir(link)
+    assert spill.path.parent == real
+    # Repointing the link afterwards moves nothing: the files go where the
+    # directory was made, never through the link again.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / spill.path.name).mkdir()
+    link.unlink()
+    link.symlink_to(elsewhere)
+    os.close(spill.open_file("entries.bin", os.O_RDWR | os.O_CREAT | os.O_EXCL))
+    assert sorted(os.listdir(real / spill.path.name)) == [".lock", "entries.bin"]
+    assert os.listdir(elsewhere / spill.path.name) == []
+    spill.close()
+    assert os.listdir(real) == []
+
+
+@needs_root
+def test_another_users_symlink_as_root_is_refused_not_followed(tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.mkdir()
+    link = tmp_path / "scratch"
+    link.symlink_to(target)
+    os.lchown(link, NOBODY, NOBODY)
+    with pytest.raises(ConfigError) as info:
+        SpillDir(link)
+    assert str(info.value) == (
+        f"tierstore: disk_path='{link}' is a symbolic link owned by uid {NOBODY}, "
+        f"not by you (uid 0) or root, and is not followed{OWN_HINT}"
+    )
+    assert os.listdir(target) == []
+
+
+@needs_root
+@pytest.mark.parametrize("through_link", [False, True], ids=["directory", "link to it"])
+def test_another_users_directory_as_root_is_refused(tmp_path: Path, through_link: bool) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, NOBODY, NOBODY)
+    stale = _fake_dir(theirs, "tierstore-1-abc")  # a sweep there would remove it
+    root = theirs
+    where = f"disk_path='{theirs}'"
+    if through_link:
+        root = tmp_path / "mine"
+        root.symlink_to(theirs)
+        where = f"disk_path='{root}' (-> '{theirs}')"
+    with pytest.raises(ConfigError) as info:
+        SpillDir(root)
+    assert str(info.value) == (
+        f"tierstore: {where} is owned by uid {NOBODY}, not by you (uid 0) or root, "
+        f"so its owner could read or replace the spill files{OWN_HINT}"
+    )
+    assert os.listdir(theirs) == [stale.name]  # no sweep, no directory made
+
+
+@pytest.mark.parametrize(
+    ("mode", "ok"),
+    [(0o700, True), (0o770, True), (0o1777, True), (0o777, False), (0o703, False)],
+    ids=oct,
+)
+def test_a_world_writable_root_must_be_sticky(tmp_path: Path, mode: int, ok: bool) -> None:
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(mode)
+    if ok:
+        SpillDir(root).close()
+        return
+    with pytest.raises(ConfigError) as info:
+        SpillDir(root)
+    assert str(info.value) == (
+        f"tierstore: disk_path='{root}' is writable by every user and not sticky "
+        f"(mode {mode:04o}), so another user could replace the spill directory; "
+        f"make it sticky (chmod +t) or{OWN_HINT.removeprefix(';')}"
+    )
+    assert os.listdir(root) == []
+
+
+def test_sweep_does_not_follow_a_lock_symlink(tmp_path: Path) -> None:
+    # The .lock of a directory of ours is a link to an unlocked lock file
+    # elsewhere: taking that lock would say nothing about the owner.
+    elsewhere = _fake_dir(tmp_path, "elsewhere")
+    stale = _fake_dir(tmp_path, "tierstore-1-abc", lock=False)
+    (stale / ".lock").symlink_to(elsewhere / ".lock")
+    spill = SpillDir(tmp_path)
+    assert spill.removed_stale == 0
+    assert (stale / "entries.bin").read_bytes() == b"data"
+    assert (elsewhere / ".lock").read_text() == "999999\n"
+    spill.close()
+
+
+def test_sweep_unlinks_symlinks_inside_never_their_targets(tmp_path: Path) -> None:
+    victim = _fake_dir(tmp_path, "victim", lock=False)
+    (victim / "sub").mkdir()
+    (victim / "sub" / "deep").write_bytes(b"deep")
+    stale = _fake_dir(tmp_path, "tierstore-1-abc")
+    (stale / "dir-link").symlink_to(victim)
+    (stale / "file-link").symlink_to(victim / "entries.bin")
+    (stale / "nested").mkdir()
+    (stale / "nested" / "link").symlink_to(victim / "sub")
+    before = _tree(victim)
+    spill = SpillDir(tmp_path)
+    assert spill.removed_stale == 1
+    assert not os.path.lexists(stale)
+    assert _tree(victim) == before
+    spill.close()
+
+
+@needs_root
+def test_sweep_never_trusts_another_users_lock(tmp_path: Path) -> None:
+    stale = _fake_dir(tmp_path, "tierstore-1-abc")
+    os.chown(stale / ".lock", NOBODY, NOBODY)
+    spill = SpillDir(tmp_path)
+    assert spill.removed_stale == 0
+    assert (stale / "entries.bin").read_bytes() == b"data"
+    spill.close()
+
+
+def test_sweep_of_a_directory_swapped_for_a_link_mid_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sweep checks a directory, then removes it; in between, its name is
+    # made a link to another directory of ours. The removal goes through the
+    # descriptor of the directory it checked, never through the new link.
+    victim = _fake_dir(tmp_path, "victim", lock=False)
+    stale = _fake_dir(tmp_path, "tierstore-1-abc")
+    moved = tmp_path / "moved"
+    clear = _spill._clear
+
+    def swap_then_clear(dir_fd: int) -> None:
+        stale.rename(moved)
+        stale.symlink_to(victim)
+        clear(dir_fd)
+
+    monkeypatch.setattr(_spill, "_clear", swap_then_clear)
+    spill = SpillDir(tmp_path)
+    assert spill.removed_stale == 0  # the name is a link now: rmdir refuses it
+    assert (victim / "entries.bin").read_bytes() == b"data"
+    assert os.listdir(moved) == []  # what was checked and locked got emptied
+    assert stale.is_symlink()
+    spill.close()
