@@ -13,7 +13,7 @@ import torch
 
 from tierstore.bench import report, storage
 from tierstore.bench.cli import add_bench_parser
-from tierstore.errors import TierstoreError
+from tierstore.errors import CorruptDataError, TierstoreError
 
 ROWS = ["raw", "torch.save", "safetensors", "file", "file+zstd", "lmdb", "lmdb+zstd"]
 
@@ -97,6 +97,18 @@ def test_every_row_runs_verifies_and_reports(
         ("file", "torch.save"),
         ("lmdb", "torch.save"),
     }
+    # The checksums: the one records carry is marked, each costs a share of the file row.
+    sums = {c["name"]: c for c in doc["checksums"]}
+    assert list(sums) == ["xxh3", "crc32c", "zlib.crc32"]
+    assert [c["name"] for c in doc["checksums"] if c["used"]] == ["xxh3"]
+    for c in doc["checksums"]:
+        assert (c["gbps"] is None) == (c["vs_file_row"] is None)
+        if c["gbps"] is not None:
+            file_s = by_name["file"]["write_s"] + by_name["file"]["read_s"]
+            expected = 2 * doc["data"]["bytes"] / (c["gbps"] * 1e9) / file_s
+            assert c["vs_file_row"] == pytest.approx(expected)
+            assert f"{c['name']}{' (used)' * c['used']} {c['gbps']:.1f} GB/s" in printed
+    assert sums["xxh3"]["gbps"] is not None and sums["zlib.crc32"]["gbps"] is not None
     # Nothing left behind: the rows' files and the backends' spill directories are gone.
     assert list(bench_dir.iterdir()) == []
 
@@ -121,7 +133,9 @@ def test_a_row_that_reads_back_wrong_bytes_fails(
     bench_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Flip one payload byte of the file backend's first record on disk
-    # between the write and the read phase: the benchmark must notice.
+    # between the write and the read phase: the benchmark must fail, here
+    # through the record's checksum (NOTE [ Record integrity ]), before its
+    # own comparison would see the bytes.
     drop = storage._drop_cache
 
     def corrupt_then_drop(paths: Any) -> None:
@@ -135,7 +149,11 @@ def test_a_row_that_reads_back_wrong_bytes_fails(
         drop(paths)
 
     monkeypatch.setattr(storage, "_drop_cache", corrupt_then_drop)
-    with pytest.raises(TierstoreError, match=r"file read tensor 0 \(1.0 MiB\) back different"):
+    with pytest.raises(
+        CorruptDataError,
+        match=r"entry 0 on the disk tier \(file backend, .*/entries.bin\) is corrupt: the \d+ "
+        "payload bytes have checksum",
+    ):
         storage.bench_storage(
             total_bytes=2 << 20,
             sizes=[1 << 20],

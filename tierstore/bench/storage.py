@@ -12,6 +12,12 @@ checks the result it timed. Rows:
 * ``file``, ``lmdb`` (each also ``+zstd``): tierstore's codec and disk
   backends (:func:`_tierstore_write_read`).
 
+Below the rows, the checksums a record could carry (NOTE [ Record integrity ]
+in ``tierstore/codec.py``) hash the same tensors in memory: xxh3, which the
+store uses, against zlib's crc32 and, where the ``crc32c`` package is
+installed, crc32c; with the share of the ``file`` row's write+read time that
+hashing every byte on the way out and on the way back in would cost.
+
 NOTE [ Page cache in the storage benchmark ]
 The machine usually has more RAM than the benchmark writes, so without care
 every read would come from the page cache and every write would end in it.
@@ -49,11 +55,13 @@ Example:
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import random
 import shutil
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -86,6 +94,7 @@ from tierstore.pipeline import Pipeline
 __all__ = [
     "BACKENDS",
     "COMPRESSIONS",
+    "ChecksumRow",
     "StorageReport",
     "StorageRow",
     "bench_storage",
@@ -183,6 +192,25 @@ class StorageRow:
 
 
 @dataclass
+class ChecksumRow:
+    """One checksum's in-memory throughput over the benchmark's tensors (one thread).
+
+    ``gbps`` is ``None`` when the checksum's package is not installed.
+    ``vs_file_row`` is the time hashing every byte twice (on write and on
+    read) takes, as a share of the ``file`` row's write+read time.
+
+    Example:
+        >>> ChecksumRow("xxh3", True, 30.0).used
+        True
+    """
+
+    name: str
+    used: bool
+    gbps: float | None
+    vs_file_row: float | None = None
+
+
+@dataclass
 class StorageReport(Report[StorageRow]):
     """What :func:`bench_storage` measured, with the settings and the data it used.
 
@@ -192,6 +220,39 @@ class StorageReport(Report[StorageRow]):
     """
 
     data: dict[str, Any]
+    checksums: list[ChecksumRow] = field(default_factory=list)
+
+
+def _crc32c() -> Callable[[memoryview], int] | None:
+    try:
+        fn: Callable[[memoryview], int] = importlib.import_module("crc32c").crc32c
+    except ImportError:
+        return None
+    return fn
+
+
+def _bench_checksums(tensors: list[torch.Tensor], repeat: int) -> list[ChecksumRow]:
+    """Time each checksum over every tensor's bytes; the best of ``repeat`` passes."""
+    candidates: list[tuple[str, Callable[[memoryview], object] | None]] = [
+        ("xxh3", codec.checksum),
+        ("crc32c", _crc32c()),
+        ("zlib.crc32", zlib.crc32),
+    ]
+    views = [codec.byte_view(t) for t in tensors]
+    total = sum(v.nbytes for v in views)
+    rows = []
+    for name, fn in candidates:
+        if fn is None:
+            rows.append(ChecksumRow(name, False, None))
+            continue
+        best = float("inf")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            for view in views:
+                fn(view)
+            best = min(best, time.perf_counter() - start)
+        rows.append(ChecksumRow(name, fn is codec.checksum, total / best / 1e9))
+    return rows
 
 
 def _tensor_sizes(total_bytes: int, sizes: Sequence[int], seed: int) -> list[int]:
@@ -675,7 +736,14 @@ def bench_storage(
         ),
         "units": "GB/s = 1e9 tensor bytes per second; write+read = 2*bytes/(write_s+read_s)",
     }
-    return StorageReport(rows=rows, settings=settings, targets=_targets(rows), data=data)
+    checksums = _bench_checksums(tensors, repeat)
+    file_row = next((r for r in rows if r.name == "file"), None)
+    for c in checksums:
+        if c.gbps is not None and file_row is not None:
+            c.vs_file_row = (2 * total / (c.gbps * 1e9)) / (file_row.write_s + file_row.read_s)
+    return StorageReport(
+        rows=rows, settings=settings, targets=_targets(rows), data=data, checksums=checksums
+    )
 
 
 def format_storage(report: StorageReport) -> str:
@@ -730,6 +798,17 @@ def format_storage(report: StorageReport) -> str:
             f"{t['row']}: write+read {fmt_ratio(t['ratio'])} {t['against']} "
             f"(target >= {t['target']:g}x: {verdict})"
         )
+    if report.checksums:
+        parts = []
+        for c in report.checksums:
+            if c.gbps is None:
+                parts.append(f"{c.name} not installed")
+                continue
+            part = f"{c.name}{' (used)' * c.used} {c.gbps:.1f} GB/s"
+            if c.vs_file_row is not None:
+                part += f", {c.vs_file_row:.1%} of file's write+read"
+            parts.append(part)
+        lines.append("record checksums, in memory, one thread: " + "; ".join(parts))
     return "\n".join(lines)
 
 
