@@ -24,6 +24,7 @@ MODULES = [
     "tierstore.bench.copies",
     "tierstore.bench.gpt",
     "tierstore.bench.report",
+    "tierstore.bench.soak",
     "tierstore.bench.storage",
     "tierstore.bench.train",
     "tierstore.cli",

@@ -1,4 +1,4 @@
-"""``tierstore bench storage`` and ``tierstore bench train``: the benchmark commands.
+"""``tierstore bench storage``, ``train`` and ``soak``: the benchmark commands.
 
 :func:`add_bench_parser` adds them to the ``tierstore`` command's
 subparsers; each sets ``run`` to the function that runs it.
@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tierstore.bench import storage, train
+from tierstore.bench import soak, storage, train
 
 __all__ = ["add_bench_parser"]
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
-    """Add ``bench`` with its ``storage`` and ``train`` subcommands to ``subparsers``.
+    """Add ``bench`` with its ``storage``, ``train`` and ``soak`` subcommands to ``subparsers``.
 
     Each subcommand sets ``run=callable(args) -> int`` (exit status), as the
     other ``tierstore`` commands do.
@@ -41,10 +41,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
     """
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks: disk throughput, and training under each offload strategy",
+        help="benchmarks: disk throughput, training under each offload strategy, a soak",
         description="Benchmarks that print ratios measured side by side in one run.",
     )
-    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{storage,train}")
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{storage,train,soak}")
     p = sub.add_parser(
         "storage",
         help="write/read GB/s and latency of the disk backends against raw I/O, "
@@ -60,3 +60,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
     )
     train.add_arguments(p)
     p.set_defaults(run=train.run)
+    p = sub.add_parser(
+        "soak",
+        help="hundreds of GPT training steps with every activation on disk: file descriptors, "
+        "threads, RSS and spill size must stay flat",
+        description=(soak.__doc__ or "").splitlines()[0],
+    )
+    soak.add_arguments(p)
+    p.set_defaults(run=soak.run)

@@ -96,7 +96,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -128,6 +128,7 @@ __all__ = [
     "TrainReport",
     "TrainSettings",
     "add_arguments",
+    "add_model_arguments",
     "bench_train",
     "default_settings",
     "format_train",
@@ -867,7 +868,27 @@ def _memory_child(payload_json: str, live: bool) -> None:
     print(json.dumps({"event": "result", "result": out}), flush=True)
 
 
-def _build_model(settings: TrainSettings, device: torch.device) -> GPT:
+class _ModelShape(Protocol):
+    """What building the GPT reads from a benchmark's settings (train's or soak's)."""
+
+    # Read-only (the settings are frozen dataclasses).
+    @property
+    def vocab(self) -> int: ...
+    @property
+    def d_model(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def layers(self) -> int: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def dropout(self) -> float: ...
+    @property
+    def seed(self) -> int: ...
+
+
+def _build_model(settings: _ModelShape, device: torch.device) -> GPT:
     cfg = GPTConfig(
         vocab=settings.vocab,
         d_model=settings.d_model,
@@ -1240,6 +1261,30 @@ def plot_train(report: TrainReport, path: str | os.PathLike[str]) -> None:
     plt.close(fig)
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, full: Any) -> None:
+    """Options for the GPT's shape, each defaulting to ``None`` (use ``full``'s value).
+
+    Shared by ``bench train`` and ``bench soak``; ``full`` is their default
+    settings, whose ``layers``, ``d_model``, ``heads``, ``seq``, ``batch``
+    and ``vocab`` the help texts show.
+
+    Example:
+        >>> import argparse
+        >>> p = argparse.ArgumentParser(); add_model_arguments(p, TrainSettings())
+        >>> p.parse_args(["--d-model", "64"]).d_model
+        64
+    """
+    for flag, help_ in [
+        ("--layers", f"transformer blocks (default {full.layers})"),
+        ("--d-model", f"model width (default {full.d_model})"),
+        ("--heads", f"attention heads (default {full.heads})"),
+        ("--seq", f"sequence length (default {full.seq})"),
+        ("--batch", f"batch size (default {full.batch})"),
+        ("--vocab", f"vocabulary size (default {full.vocab})"),
+    ]:
+        parser.add_argument(flag, type=int, default=None, help=help_)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``tierstore bench train``; model sizes default by ``--quick``.
 
@@ -1253,15 +1298,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a tiny model that runs in seconds (demo, tests)"
     )
-    for flag, help_ in [
-        ("--layers", f"transformer blocks (default {full.layers})"),
-        ("--d-model", f"model width (default {full.d_model})"),
-        ("--heads", f"attention heads (default {full.heads})"),
-        ("--seq", f"sequence length (default {full.seq})"),
-        ("--batch", f"batch size (default {full.batch})"),
-        ("--vocab", f"vocabulary size (default {full.vocab})"),
-    ]:
-        parser.add_argument(flag, type=int, default=None, help=help_)
+    add_model_arguments(parser, full)
     parser.add_argument("--steps", type=int, default=full.steps, help="measured steps (default 4)")
     parser.add_argument("--warmup", type=int, default=full.warmup, help="warm-up steps (default 1)")
     parser.add_argument(
