@@ -12,6 +12,8 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import re
+import shutil
 import signal
 import threading
 import warnings
@@ -508,14 +510,15 @@ _LIMITED_CHILD = """
 import os, resource, signal, sys, warnings
 import torch, tierstore
 
-root, backend = sys.argv[1], sys.argv[2]
+root, backend, limit = sys.argv[1], sys.argv[2], sys.argv[3]
 store = tierstore.TierStore(tierstore.TierConfig(
     device_budget=0, host_budget=0, disk_budget="64MiB", disk_path=root,
     disk_backend=backend, min_offload_bytes=0, write_queue_bytes="64MiB"))
-# The disk budget promises 64 MiB; the kernel lets this process write 1 MiB
-# per file (EFBIG past it, as a full disk gives ENOSPC).
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+# The disk budget promises 64 MiB; the disk holds 1 MiB: a 1 MiB filesystem
+# (ENOSPC), or a kernel limit of 1 MiB per file for this process (EFBIG).
+if limit == "fsize":
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 torch.manual_seed(0)
 x = torch.randn(256, 1024, requires_grad=True)
 with warnings.catch_warnings(record=True) as caught:
@@ -537,18 +540,43 @@ print("left:", os.listdir(root))
 """
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_real_file_size_limit(root: Path, backend: str) -> None:
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB filesystem (tmpfs), where it can be mounted (root, CAP_SYS_ADMIN)."""
+    import subprocess
+
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command here")
+    mount = tmp_path / "full"
+    mount.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs here: {made.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def _limited_run(root: Path, backend: str, limit: str) -> list[str]:
     import subprocess
     import sys
 
-    out = subprocess.run(
-        [sys.executable, "-c", _LIMITED_CHILD, str(root), backend],
+    return subprocess.run(
+        [sys.executable, "-c", _LIMITED_CHILD, str(root), backend, limit],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     ).stdout.splitlines()
+
+
+def _check_limited(out: list[str], root: Path, backend: str, reason: str, lmdb_error: str) -> None:
     if backend == "lmdb":
         # LMDB grows its file as it writes: the writes past 1 MiB fail, their
         # entries stay in host memory, and backward gives eager's gradient.
@@ -558,17 +586,36 @@ def test_a_real_file_size_limit(root: Path, backend: str) -> None:
             "warning: TierstoreWarning tierstore: a write to the disk tier failed (tierstore: "
             "writing entry "
         )
-        assert "mdb_txn_commit: Input/output error" in warned[0]
+        assert lmdb_error in warned[0]
         assert int(out[-3].removeprefix("failed_writes: ")) >= 1
         assert out[-2:] == ["eager: True", "left: []"]
     else:
         # The file backend preallocates its budget at the first spill, so a disk
         # that cannot hold it fails there, before any saved tensor is at risk.
-        assert out == [
+        assert re.fullmatch(
             "error: TierFullError tierstore: cannot preallocate disk_budget=64.0 MiB in "
-            f"{root}: File too large; lower disk_budget (TIERSTORE_DISK_BUDGET) or set "
-            "disk_path to a larger disk",
-            "failed_writes: 0",
-            "eager: False",
-            "left: []",
-        ]
+            f"{re.escape(str(root))}: {reason}; lower disk_budget \\(TIERSTORE_DISK_BUDGET\\) "
+            "or set disk_path to a larger disk",
+            out[0],
+        ), out
+        assert out[1:] == ["failed_writes: 0", "eager: False", "left: []"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_real_file_size_limit(root: Path, backend: str) -> None:
+    out = _limited_run(root, backend, "fsize")
+    _check_limited(out, root, backend, "File too large", "mdb_txn_commit: Input/output error")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_real_full_filesystem(full_disk: Path, backend: str) -> None:
+    out = _limited_run(full_disk, backend, "none")
+    # The file backend sees the free space before it tries; LMDB reports the
+    # ENOSPC of its commit as an I/O error.
+    _check_limited(
+        out,
+        full_disk,
+        backend,
+        r"only \d+\.\d KiB free there",
+        "mdb_txn_commit: Input/output error",
+    )
