@@ -583,8 +583,7 @@ def _check_limited(out: list[str], root: Path, backend: str, reason: str, lmdb_e
         warned = [line for line in out if line.startswith("warning:")]
         assert len(warned) == 1, out
         assert warned[0].startswith(
-            "warning: TierstoreWarning tierstore: a write to the disk tier failed (tierstore: "
-            "writing entry "
+            "warning: TierstoreWarning tierstore: a write to the disk tier failed (writing entry "
         )
         assert lmdb_error in warned[0]
         assert int(out[-3].removeprefix("failed_writes: ")) >= 1

@@ -118,6 +118,17 @@ __all__ = ["TierManager", "resting_nbytes"]
 # queues the key, and whoever holds the lock drains the queue on the way out.
 
 
+_DISK_HINT = f"check the disk under disk_path ({ENV_PREFIX}DISK_PATH)"
+
+
+def _reason(error: BaseException) -> str:
+    """A write error's text inside a store message, without prefix or disk hint.
+
+    The store's message gives the hint a backend's error ends with.
+    """
+    return str(error).removeprefix("tierstore: ").removesuffix(f"; {_DISK_HINT}")
+
+
 def resting_nbytes(t: torch.Tensor) -> int:
     """Bytes a tensor takes once offloaded: broadcast (stride-0) dimensions count once.
 
@@ -764,10 +775,9 @@ class TierManager:
             else "was released before its write ended, so nothing was lost"
         )
         return TierstoreWarning(
-            f"tierstore: a write to the disk tier failed ({error}); the saved tensor of "
-            f"{human_bytes(entry.nbytes)} {fate}. Later failures are only counted, in "
-            "stats().failed_writes; "
-            f"check the disk under disk_path ({ENV_PREFIX}DISK_PATH)"
+            f"tierstore: a write to the disk tier failed ({_reason(error)}); the saved tensor "
+            f"of {human_bytes(entry.nbytes)} {fate}. Later failures are only counted, in "
+            f"stats().failed_writes; {_DISK_HINT}"
         )
 
     def _raise_failure(self) -> None:
@@ -778,8 +788,8 @@ class TierManager:
             error = failure[0]
             self._warned_write = True  # the user has heard: later failures are only counted
             raise TierstoreError(
-                f"tierstore: a background write to the disk tier failed: {error}; the saved "
-                "tensors it held are still in host memory. Check the disk under disk_path "
+                f"tierstore: a background write to the disk tier failed: {_reason(error)}; the "
+                "saved tensors it held are still in host memory. Check the disk under disk_path "
                 f"({ENV_PREFIX}DISK_PATH), or raise host_budget ({ENV_PREFIX}HOST_BUDGET) or "
                 f"write_queue_bytes ({ENV_PREFIX}WRITE_QUEUE_BYTES) so that failed writes can "
                 "stay in host memory (they do while both have room)"
