@@ -23,6 +23,7 @@ MODULES = [
     "tierstore.bench.cli",
     "tierstore.bench.copies",
     "tierstore.bench.gpt",
+    "tierstore.bench.memory",
     "tierstore.bench.report",
     "tierstore.bench.soak",
     "tierstore.bench.storage",

@@ -72,7 +72,8 @@ from typing import Any
 import torch
 
 from tierstore.backends.lmdb import _map_size
-from tierstore.bench.gpt import GPT
+from tierstore.bench.gpt import GPT, add_model_arguments, build_model, saved_bytes
+from tierstore.bench.memory import AnonRss, release_free_memory
 from tierstore.bench.report import (
     NA,
     Progress,
@@ -82,16 +83,6 @@ from tierstore.bench.report import (
     machine_info,
     median,
     write_json,
-)
-
-# Private helpers shared with bench train: the RSS reader, malloc_trim, and the
-# counting pass that sizes the disk budget.
-from tierstore.bench.train import (
-    _AnonRss,
-    _build_model,
-    _release_free_memory,
-    _saved_bytes,
-    add_model_arguments,
 )
 from tierstore.config import TierConfig, human_bytes
 from tierstore.errors import TierstoreError
@@ -421,7 +412,7 @@ def run_soak(
     """
     _check_settings(settings)
     warmup = settings.warmup_steps
-    model = _build_model(settings, torch.device("cpu"))
+    model = build_model(settings, torch.device("cpu"))
     params = list(model.parameters())
 
     # Step 1 in eager autograd, from the same weights, tokens and dropout masks.
@@ -431,7 +422,7 @@ def run_soak(
     eager_loss.backward()
     eager_grads = [p.grad.detach().clone() for p in reference.parameters() if p.grad is not None]
     eager_loss = eager_loss.detach()
-    saved_all, saved_activations = _saved_bytes(reference, _tokens(settings, 1))
+    saved_all, saved_activations = saved_bytes(reference, _tokens(settings, 1))
     del reference
     budget = settings.disk_budget_bytes
     if budget is None:
@@ -452,7 +443,7 @@ def run_soak(
         min_offload_bytes=0,
     )
     opt = torch.optim.AdamW(params, lr=settings.lr)
-    rss = _AnonRss()
+    rss = AnonRss()
     series: dict[str, list[float]] = {
         name: []
         for name in (
@@ -478,7 +469,7 @@ def run_soak(
     store_doc: dict[str, Any] = {}
     start = time.perf_counter()
     try:
-        _release_free_memory(full=True)
+        release_free_memory(full=True)
         fds_before, threads_before, os_threads_before = (
             _open_fds(),
             threading.active_count(),
@@ -517,7 +508,7 @@ def run_soak(
             spill_dir = store.disk_directory
         finally:
             store.close()
-        _release_free_memory(full=True)
+        release_free_memory(full=True)
         fds_after, threads_after, os_threads_after = (
             _open_fds(),
             threading.active_count(),
@@ -607,13 +598,13 @@ def _one_step(
         nonfinite_steps.append(step)
 
 
-def _sample(store: TierStore, rss: _AnonRss, series: dict[str, list[float]]) -> None:
+def _sample(store: TierStore, rss: AnonRss, series: dict[str, list[float]]) -> None:
     """The per-step samples, in NOTE [ What bench soak measures ]'s order."""
     stats = store.stats()
     series["tier_bytes_after_backward"].append(sum(stats.tiers[t].bytes for t in TIERS))
     series["disk_bytes_after_backward"].append(stats.tiers["disk"].bytes)
     series["entries_after_backward"].append(sum(stats.tiers[t].entries for t in TIERS))
-    _release_free_memory(full=False)
+    release_free_memory(full=False)
     series["anon_rss_bytes"].append(rss())
     series["open_fds"].append(_open_fds())
     series["threads_python"].append(threading.active_count())

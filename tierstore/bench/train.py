@@ -81,9 +81,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import ctypes
 import functools
-import gc
 import json
 import os
 import shutil
@@ -96,13 +94,14 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
-from tierstore.bench.gpt import GPT, GPTConfig
+from tierstore.bench.gpt import GPT, add_model_arguments, build_model, saved_bytes
+from tierstore.bench.memory import AnonRss, release_free_memory
 from tierstore.bench.report import (
     NA,
     Progress,
@@ -128,7 +127,6 @@ __all__ = [
     "TrainReport",
     "TrainSettings",
     "add_arguments",
-    "add_model_arguments",
     "bench_train",
     "default_settings",
     "format_train",
@@ -282,51 +280,6 @@ class TrainReport(Report[StrategyResult]):
 
 
 # -- memory (NOTE [ What bench train measures ]) --------------------------------
-
-
-class _AnonRss:
-    """Anonymous resident bytes of this process, from ``/proc/self/statm``."""
-
-    def __init__(self) -> None:
-        self._fd = os.open("/proc/self/statm", os.O_RDONLY)
-        self._page = os.sysconf("SC_PAGE_SIZE")
-
-    def __call__(self) -> int:
-        fields = os.pread(self._fd, 256, 0).split()
-        return (int(fields[1]) - int(fields[2])) * self._page
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
-@functools.cache
-def _libc() -> Any:
-    return ctypes.CDLL(None)
-
-
-#: glibc's mallopt parameter number for M_MMAP_THRESHOLD (malloc.h).
-_M_MMAP_THRESHOLD = -3
-#: Allocations from this size up get their own mapping (NOTE [ What bench train measures ]).
-_MMAP_THRESHOLD_BYTES = 1 << 20
-
-
-def _follow_live_memory() -> bool:
-    """Give every allocation of 1 MiB or more its own mapping; ``False`` where not glibc.
-
-    Call first thing in a fresh process: free chunks already in the heap
-    would still be reused (and kept) after it.
-    """
-    mallopt = getattr(_libc(), "mallopt", None)
-    return mallopt is not None and mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES) == 1
-
-
-def _release_free_memory(*, full: bool) -> None:
-    # A full collection takes ~0.1 s once torch is imported: once per
-    # strategy; the young generations (where a step's garbage is) every step.
-    gc.collect() if full else gc.collect(1)
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 class _Sampler:
@@ -545,26 +498,6 @@ class _Tierstore(_Strategy):
 # -- the run --------------------------------------------------------------------
 
 
-def _saved_bytes(model: GPT, tokens: torch.Tensor) -> tuple[int, int]:
-    """Bytes the forward saves: (all saves, distinct non-parameter tensors)."""
-    total = 0
-    seen: dict[tuple[Any, ...], int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        nbytes = t.numel() * t.element_size()
-        total += nbytes
-        if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())
-            seen[key] = nbytes
-        return t
-
-    with saved_tensors_hooks(pack, lambda t: t):
-        loss = model.loss(tokens)
-    del loss
-    return total, sum(seen.values())
-
-
 def _tokens(settings: TrainSettings, step: int, device: torch.device) -> torch.Tensor:
     gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
     shape = (settings.batch, settings.seq + 1)
@@ -685,7 +618,7 @@ class _Bench:
         self.root = root
         self.budget = budget
         self.cuda = device.type == "cuda"
-        self._rss = None if self.cuda else _AnonRss()
+        self._rss = None if self.cuda else AnonRss()
 
     def memory_now(self) -> int:
         if self._rss is None:
@@ -725,7 +658,7 @@ class _Bench:
         tokens = _tokens(self.settings, step, self.device)
         # In place: the gradients' memory then belongs to the baseline.
         self.model.zero_grad(set_to_none=False)
-        _release_free_memory(full=full_gc)
+        release_free_memory(full=full_gc)
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -779,9 +712,9 @@ _MEMORY_STEPS = 2
 
 _CHILD = """
 import sys
-from tierstore.bench import train
-# Before torch allocates anything: NOTE [ What bench train measures ].
-live = train._follow_live_memory()
+from tierstore.bench import memory, train
+# Before the benchmark allocates: NOTE [ What bench train measures ].
+live = memory.follow_live_memory()
 train._memory_child(sys.argv[1], live)
 """
 
@@ -827,7 +760,7 @@ def _memory_child(payload_json: str, live: bool) -> None:
     settings = TrainSettings(**fields)
     torch.set_num_threads(payload["threads"])
     device = torch.device("cpu")
-    model = _build_model(settings, device)
+    model = build_model(settings, device)
     initial = copy.deepcopy(model.state_dict())
     bench = _Bench(settings, model, device, Path(settings.directory or "."), payload["budget"])
     out: dict[str, Any] = {
@@ -868,41 +801,6 @@ def _memory_child(payload_json: str, live: bool) -> None:
     print(json.dumps({"event": "result", "result": out}), flush=True)
 
 
-class _ModelShape(Protocol):
-    """What building the GPT reads from a benchmark's settings (train's or soak's)."""
-
-    # Read-only (the settings are frozen dataclasses).
-    @property
-    def vocab(self) -> int: ...
-    @property
-    def d_model(self) -> int: ...
-    @property
-    def heads(self) -> int: ...
-    @property
-    def layers(self) -> int: ...
-    @property
-    def seq(self) -> int: ...
-    @property
-    def dropout(self) -> float: ...
-    @property
-    def seed(self) -> int: ...
-
-
-def _build_model(settings: _ModelShape, device: torch.device) -> GPT:
-    cfg = GPTConfig(
-        vocab=settings.vocab,
-        d_model=settings.d_model,
-        heads=settings.heads,
-        layers=settings.layers,
-        seq=settings.seq,
-        dropout=settings.dropout,
-    )
-    torch.manual_seed(settings.seed)
-    model = GPT(cfg).to(device)
-    model.train()
-    return model
-
-
 def bench_train(settings: TrainSettings, *, show_progress: bool = True) -> TrainReport:
     """Train the same GPT a few steps under each strategy and compare time, memory, gradients.
 
@@ -939,9 +837,9 @@ def bench_train(settings: TrainSettings, *, show_progress: bool = True) -> Train
     root = Path(settings.directory or tempfile.gettempdir()).absolute()
     if not root.is_dir():
         raise TierstoreError(f"tierstore: bench train: --dir {root} is not a directory")
-    model = _build_model(settings, device)
+    model = build_model(settings, device)
     initial = copy.deepcopy(model.state_dict())
-    saved_all, saved_activations = _saved_bytes(model, _tokens(settings, 0, device))
+    saved_all, saved_activations = saved_bytes(model, _tokens(settings, 0, device))
     budget = settings.disk_budget_bytes
     if budget is None:
         # Parameters are never offloaded: only the activations need room.
@@ -1259,30 +1157,6 @@ def plot_train(report: TrainReport, path: str | os.PathLike[str]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def add_model_arguments(parser: argparse.ArgumentParser, full: Any) -> None:
-    """Options for the GPT's shape, each defaulting to ``None`` (use ``full``'s value).
-
-    Shared by ``bench train`` and ``bench soak``; ``full`` is their default
-    settings, whose ``layers``, ``d_model``, ``heads``, ``seq``, ``batch``
-    and ``vocab`` the help texts show.
-
-    Example:
-        >>> import argparse
-        >>> p = argparse.ArgumentParser(); add_model_arguments(p, TrainSettings())
-        >>> p.parse_args(["--d-model", "64"]).d_model
-        64
-    """
-    for flag, help_ in [
-        ("--layers", f"transformer blocks (default {full.layers})"),
-        ("--d-model", f"model width (default {full.d_model})"),
-        ("--heads", f"attention heads (default {full.heads})"),
-        ("--seq", f"sequence length (default {full.seq})"),
-        ("--batch", f"batch size (default {full.batch})"),
-        ("--vocab", f"vocabulary size (default {full.vocab})"),
-    ]:
-        parser.add_argument(flag, type=int, default=None, help=help_)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
