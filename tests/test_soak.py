@@ -179,29 +179,3 @@ def test_bench_soak_command_writes_json(tmp_path: Path, capsys: pytest.CaptureFi
     assert [r["settings"]["backend"] for r in doc["runs"]] == ["file", "lmdb"]
     assert len(doc["runs"][0]["samples"]["open_fds"]) == 8
     assert {r["name"] for r in doc["runs"][1]["rows"]} >= {"open file descriptors", "anonymous RSS"}
-
-
-def test_a_soak_stopped_by_sigterm_leaves_nothing(tmp_path: Path) -> None:
-    # SIGTERM (kill, a job scheduler) ends the command through SystemExit, so
-    # the soak's private directory and its store's spill files are removed.
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    argv = [sys.executable, "-m", "tierstore.cli", "bench", "soak", "--tiny", "--steps", "100000"]
-    argv += ["--warmup", "2", "--quiet", "--backends", "file", "--dir", str(tmp_path)]
-    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        # Running: the soak's directory holds the store's spill directory.
-        while not any(p.name.startswith("tierstore-") for p in tmp_path.glob("tierstore-soak-*/*")):
-            assert child.poll() is None, child.communicate()
-            assert time.monotonic() < deadline, "the soak never spilled"
-            time.sleep(0.05)
-        child.send_signal(signal.SIGTERM)
-        _, err = child.communicate(timeout=60)
-    finally:
-        child.kill()
-    assert child.returncode == 128 + signal.SIGTERM, err
-    assert list(tmp_path.iterdir()) == []

@@ -10,12 +10,9 @@ Example:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import signal
 import tempfile
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -154,31 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-@contextlib.contextmanager
-def _sigterm_exits() -> Iterator[None]:
-    """Let SIGTERM end the command as SystemExit(143), so cleanup runs.
-
-    By default SIGTERM ends Python at once, skipping every ``finally``: a
-    benchmark stopped by ``kill`` or a job scheduler would leave its temp
-    directory and spill files behind. A handler the caller installed is kept.
-    """
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    ):
-        yield
-        return
-
-    def stop(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``tierstore`` command line.
 
@@ -193,8 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        with _sigterm_exits():
-            code: int = args.run(args)
+        code: int = args.run(args)
     except TierstoreError as exc:
         parser.exit(2, f"{exc}\n")
     return code
