@@ -25,6 +25,7 @@ MODULES = [
     "tierstore.bench.gpt",
     "tierstore.bench.memory",
     "tierstore.bench.report",
+    "tierstore.bench.scratch",
     "tierstore.bench.soak",
     "tierstore.bench.storage",
     "tierstore.bench.train",

@@ -10,15 +10,14 @@ Example:
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from tierstore.bench.cli import add_bench_parser
 from tierstore.bench.gpt import GPT, GPTConfig
+from tierstore.bench.scratch import removed_on_sigterm, scratch_dir
 from tierstore.config import TierConfig, describe_config, human_bytes
 from tierstore.errors import TierstoreError
 from tierstore.hooks import TierStore
@@ -57,12 +56,12 @@ def demo(args: argparse.Namespace) -> int:
     eager_s, _ = _step(model, tokens, None)
     expected = _grads(model)
 
-    with tempfile.TemporaryDirectory(prefix="tierstore-demo-") as spill:
+    with scratch_dir("tierstore-demo-") as spill:
         config = TierConfig(
             device_budget=0,
             host_budget=0,
             disk_budget=args.disk_budget,
-            disk_path=Path(spill),
+            disk_path=spill,
             disk_backend=args.backend,
             compression=args.compression,
             min_offload_bytes=0,
@@ -165,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        code: int = args.run(args)
+        with removed_on_sigterm():  # NOTE [ SIGTERM ] in tierstore/bench/scratch.py
+            code: int = args.run(args)
     except TierstoreError as exc:
         parser.exit(2, f"{exc}\n")
     return code

@@ -60,7 +60,6 @@ import argparse
 import copy
 import math
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -84,6 +83,7 @@ from tierstore.bench.report import (
     median,
     write_json,
 )
+from tierstore.bench.scratch import make_scratch_dir, remove_scratch_dir
 from tierstore.config import TierConfig, human_bytes
 from tierstore.errors import TierstoreError
 from tierstore.hooks import TierStore
@@ -432,7 +432,7 @@ def run_soak(
     root = Path(settings.directory or tempfile.gettempdir()).absolute()
     if not root.is_dir():
         raise TierstoreError(f"tierstore: bench soak: --dir {root} is not a directory")
-    private = tempfile.mkdtemp(prefix="tierstore-soak-", dir=root)
+    private = make_scratch_dir("tierstore-soak-", root)
     config = TierConfig(
         device_budget=0,
         host_budget=0,
@@ -516,7 +516,7 @@ def run_soak(
         )
     finally:
         rss.close()
-        shutil.rmtree(private, ignore_errors=True)
+        remove_scratch_dir(private)
     wall = time.perf_counter() - start
 
     rows = _checks(settings, series, warmup, budget)

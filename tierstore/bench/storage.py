@@ -87,6 +87,7 @@ from tierstore.bench.report import (
     percentile,
     write_json,
 )
+from tierstore.bench.scratch import make_scratch_dir, remove_scratch_dir
 from tierstore.config import TierConfig, human_bytes
 from tierstore.errors import CorruptDataError, TierstoreError
 from tierstore.pipeline import Pipeline
@@ -662,7 +663,7 @@ def bench_storage(
     tensors = _activations(order, seed)
     rows = _rows(backends, compressions)
     measured: dict[str, list[_Measured]] = {r.name: [] for r in rows}
-    workdir = Path(tempfile.mkdtemp(prefix="tierstore-bench-", dir=root))
+    workdir = make_scratch_dir("tierstore-bench-", root)
     try:
         with Progress(2 * total * len(rows) * repeat, enabled=show_progress) as progress:
             # The first gigabyte written in a process runs slower on some
@@ -686,7 +687,7 @@ def bench_storage(
                     measured[row.name].append(m)
                     shutil.rmtree(rowdir)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_scratch_dir(workdir)
 
     for row in rows:
         runs = measured[row.name]

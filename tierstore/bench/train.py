@@ -84,7 +84,6 @@ import copy
 import functools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -114,6 +113,7 @@ from tierstore.bench.report import (
     median,
     write_json,
 )
+from tierstore.bench.scratch import make_scratch_dir, remove_scratch_dir
 from tierstore.config import TierConfig, human_bytes
 from tierstore.errors import TierstoreError
 from tierstore.hooks import TierStore
@@ -397,7 +397,7 @@ class _Checkpoint(_Strategy):
 class _SelfDeletingTempFile:
     """PyTorch's autograd docs example, as users copy it (see ``_NaiveDisk``)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.name = os.path.join(directory, str(uuid.uuid4()))
 
     def __del__(self) -> None:
@@ -409,7 +409,7 @@ class _NaiveDisk(_Strategy):
 
     def __init__(self, name: str, root: Path) -> None:
         super().__init__(name)
-        self._dir = tempfile.mkdtemp(prefix="tierstore-bench-naive-", dir=root)
+        self._dir = make_scratch_dir("tierstore-bench-naive-", root)
 
     def _pack(self, tensor: torch.Tensor) -> _SelfDeletingTempFile:
         temp_file = _SelfDeletingTempFile(self._dir)
@@ -432,7 +432,7 @@ class _NaiveDisk(_Strategy):
             )
 
     def close(self) -> None:
-        shutil.rmtree(self._dir, ignore_errors=True)
+        remove_scratch_dir(self._dir)
 
 
 class _CheckpointTierstore(_Strategy):
@@ -852,7 +852,11 @@ def bench_train(settings: TrainSettings, *, show_progress: bool = True) -> Train
         if cuda
         else "the measured steps, default allocator (RSS keeps some freed memory)"
     )
-    bench = _Bench(settings, model, device, root, budget)
+    # Everything the run writes (the stores' spill directories, disk-naive's
+    # files, the memory pass's) goes under one scratch directory: removed at
+    # the end, and on SIGTERM (NOTE [ SIGTERM ] in tierstore/bench/scratch.py).
+    work = make_scratch_dir("tierstore-bench-train-", root)
+    bench = _Bench(settings, model, device, work, budget)
     rows: list[StrategyResult] = []
     reference: list[torch.Tensor] | None = None
     strategies: dict[str, _Strategy] = {}
@@ -860,7 +864,7 @@ def bench_train(settings: TrainSettings, *, show_progress: bool = True) -> Train
     try:
         for name in names:
             strategies[name] = _make_strategy(
-                name, settings=settings, model=model, root=root, budget=budget, device=device
+                name, settings=settings, model=model, root=work, budget=budget, device=device
             )
         with Progress(len(names) * per_strategy, unit="step", enabled=show_progress) as progress:
             # Pass 1: time, gradients, tier statistics (default allocator).
@@ -880,7 +884,8 @@ def bench_train(settings: TrainSettings, *, show_progress: bool = True) -> Train
             # returns freed tensors to the kernel (NOTE [ What bench train measures ]).
             if memory_pass:
                 with progress.phase(f"memory pass: {_MEMORY_STEPS} steps per strategy"):
-                    memory = _memory_pass(settings, names, budget, progress)
+                    in_work = replace(settings, directory=str(work))
+                    memory = _memory_pass(in_work, names, budget, progress)
                 allocator = memory.pop("allocator")
                 for result in rows:
                     got = memory[result.name]
@@ -893,6 +898,7 @@ def bench_train(settings: TrainSettings, *, show_progress: bool = True) -> Train
         for strategy in strategies.values():
             strategy.close()
         bench.close()
+        remove_scratch_dir(work)
 
     none = next((r for r in rows if r.name == "none"), None)
     naive = next((r for r in rows if r.name == "disk-naive"), None)
