@@ -52,7 +52,7 @@ from tierstore.backends._aligned import AlignedBuffer, AlignedBufferPool, copy
 from tierstore.backends._extents import ExtentAllocator
 from tierstore.backends.base import Backend
 from tierstore.config import human_bytes
-from tierstore.errors import CorruptDataError, TierFullError, TierstoreError
+from tierstore.errors import DISK_HINT, CorruptDataError, TierFullError, TierstoreError
 
 __all__ = ["ALIGN", "FileBackend"]
 
@@ -292,7 +292,7 @@ class FileBackend(Backend[int]):
         except OSError as e:
             raise TierstoreError(
                 f"tierstore: writing entry {key} ({human_bytes(length)}) to {self._path} failed: "
-                f"{e}; check the disk under disk_path (TIERSTORE_DISK_PATH)"
+                f"{e}; {DISK_HINT}"
             ) from e
 
     def _store_direct(self, fd: int, place: int, views: list[memoryview]) -> None:
@@ -368,8 +368,7 @@ class FileBackend(Backend[int]):
 
     def _read_error(self, key: int, e: OSError) -> TierstoreError:
         return TierstoreError(
-            f"tierstore: reading entry {key} from {self._path} failed: {e}; "
-            "check the disk under disk_path (TIERSTORE_DISK_PATH)"
+            f"tierstore: reading entry {key} from {self._path} failed: {e}; {DISK_HINT}"
         )
 
     def _ends_early(self, key: int, place: int, done: int, total: int) -> CorruptDataError:

@@ -50,7 +50,7 @@ import lmdb
 
 from tierstore.backends.base import Backend
 from tierstore.config import human_bytes
-from tierstore.errors import CorruptDataError, TierFullError, TierstoreError
+from tierstore.errors import DISK_HINT, CorruptDataError, TierFullError, TierstoreError
 
 __all__ = ["LmdbBackend"]
 
@@ -215,7 +215,7 @@ class LmdbBackend(Backend[bytes]):
         except lmdb.Error as e:
             raise TierstoreError(
                 f"tierstore: writing entry {key} ({human_bytes(length)}) to {self._path} failed: "
-                f"{e}; check the disk under disk_path (TIERSTORE_DISK_PATH)"
+                f"{e}; {DISK_HINT}"
             ) from e
 
     def _put(self, kb: bytes, value: bytes | memoryview) -> bool:

@@ -16,13 +16,31 @@ Example:
 from __future__ import annotations
 
 __all__ = [
+    "DISK_HINT",
     "ConfigError",
     "CorruptDataError",
     "StoreClosedError",
     "TierFullError",
     "TierstoreError",
     "TierstoreWarning",
+    "quoted",
 ]
+
+#: The advice that ends every message about a failing disk.
+DISK_HINT = "check the disk under disk_path (TIERSTORE_DISK_PATH)"
+
+
+def quoted(exc: BaseException) -> str:
+    """An error's message for quoting inside another: no prefix, no trailing :data:`DISK_HINT`.
+
+    The message that quotes it gives its own advice.
+
+    Example:
+        >>> from tierstore.errors import DISK_HINT, TierstoreError, quoted
+        >>> quoted(TierstoreError(f"tierstore: writing entry 3 failed: EIO; {DISK_HINT}"))
+        'writing entry 3 failed: EIO'
+    """
+    return str(exc).removeprefix("tierstore: ").removesuffix(f"; {DISK_HINT}")
 
 
 class TierstoreError(RuntimeError):

@@ -34,7 +34,13 @@ from tierstore.backends import backend_class
 from tierstore.backends.base import Backend
 from tierstore.backends.host import HostBlock, HostPool
 from tierstore.config import TierConfig
-from tierstore.errors import CorruptDataError, StoreClosedError, TierstoreError
+from tierstore.errors import (
+    DISK_HINT,
+    CorruptDataError,
+    StoreClosedError,
+    TierstoreError,
+    quoted,
+)
 
 __all__ = ["DeviceCopy", "HostBlock", "HostCopy", "Pipeline", "Record"]
 
@@ -100,12 +106,8 @@ def _blocking(fn: Callable[..., Any], *args: Any) -> Any:
 # The end of every message about a disk record that cannot be read back.
 _LOST = (
     "The saved tensor it held is lost and this backward cannot finish; run the step "
-    "again, and check the disk under disk_path (TIERSTORE_DISK_PATH)"
+    f"again, and {DISK_HINT}"
 )
-
-
-def _without_prefix(exc: BaseException) -> str:
-    return str(exc).removeprefix("tierstore: ")
 
 
 async def _cancel_all() -> None:
@@ -528,6 +530,6 @@ class Pipeline:
             span: torch.Tensor = await _blocking(codec.decode, record.meta, payload)
         except CorruptDataError as exc:
             raise CorruptDataError(
-                f"tierstore: {where} is corrupt: {_without_prefix(exc)}. {_LOST}"
+                f"tierstore: {where} is corrupt: {quoted(exc)}. {_LOST}"
             ) from exc
         return span

@@ -39,7 +39,14 @@ import torch
 
 from tierstore import codec
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
-from tierstore.errors import StoreClosedError, TierFullError, TierstoreError, TierstoreWarning
+from tierstore.errors import (
+    DISK_HINT,
+    StoreClosedError,
+    TierFullError,
+    TierstoreError,
+    TierstoreWarning,
+    quoted,
+)
 from tierstore.handle import Handle
 from tierstore.pipeline import DeviceCopy, HostBlock, Pipeline, Record
 from tierstore.schedule import Schedule
@@ -116,17 +123,6 @@ __all__ = ["TierManager", "resting_nbytes"]
 # Releasing then would mutate the tier tables mid-update. So the finalizer
 # releases only when it can take the lock without waiting; otherwise it
 # queues the key, and whoever holds the lock drains the queue on the way out.
-
-
-_DISK_HINT = f"check the disk under disk_path ({ENV_PREFIX}DISK_PATH)"
-
-
-def _reason(error: BaseException) -> str:
-    """A write error's text inside a store message, without prefix or disk hint.
-
-    The store's message gives the hint a backend's error ends with.
-    """
-    return str(error).removeprefix("tierstore: ").removesuffix(f"; {_DISK_HINT}")
 
 
 def resting_nbytes(t: torch.Tensor) -> int:
@@ -775,9 +771,9 @@ class TierManager:
             else "was released before its write ended, so nothing was lost"
         )
         return TierstoreWarning(
-            f"tierstore: a write to the disk tier failed ({_reason(error)}); the saved tensor "
+            f"tierstore: a write to the disk tier failed ({quoted(error)}); the saved tensor "
             f"of {human_bytes(entry.nbytes)} {fate}. Later failures are only counted, in "
-            f"stats().failed_writes; {_DISK_HINT}"
+            f"stats().failed_writes; {DISK_HINT}"
         )
 
     def _raise_failure(self) -> None:
@@ -788,7 +784,7 @@ class TierManager:
             error = failure[0]
             self._warned_write = True  # the user has heard: later failures are only counted
             raise TierstoreError(
-                f"tierstore: a background write to the disk tier failed: {_reason(error)}; the "
+                f"tierstore: a background write to the disk tier failed: {quoted(error)}; the "
                 "saved tensors it held are still in host memory. Check the disk under disk_path "
                 f"({ENV_PREFIX}DISK_PATH), or raise host_budget ({ENV_PREFIX}HOST_BUDGET) or "
                 f"write_queue_bytes ({ENV_PREFIX}WRITE_QUEUE_BYTES) so that failed writes can "
