@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import math
@@ -48,6 +49,7 @@ __all__ = [
     "median",
     "percentile",
     "write_json",
+    "write_results",
 ]
 
 #: How to get the optional benchmark dependencies (rich, matplotlib).
@@ -391,3 +393,33 @@ def write_json(path: str | os.PathLike[str], doc: dict[str, Any]) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+
+
+def write_results(
+    args: argparse.Namespace, benchmark: str, machine: dict[str, Any], results: dict[str, Any]
+) -> None:
+    """Write a benchmark's JSON to ``args.json`` and say where.
+
+    Every benchmark's file starts the same way: the benchmark's name, the
+    command that ran it, its options, the machine and torch's version; then
+    ``results``.
+
+    Example:
+        >>> import argparse, json, os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "r.json")
+        >>> args = argparse.Namespace(json=path, steps=3)
+        >>> write_results(args, "soak", {"cpus": 2}, {"ok": True})  # doctest: +ELLIPSIS
+        JSON: .../r.json
+        >>> doc = json.load(open(path)); doc["benchmark"], doc["options"], doc["ok"]
+        ('soak', {'json': '...r.json', 'steps': 3}, True)
+    """
+    doc = {
+        "benchmark": benchmark,
+        "command": command_line(),
+        "options": {k: v for k, v in vars(args).items() if k != "run"},
+        "machine": machine,
+        "torch": torch.__version__,
+        **results,
+    }
+    write_json(args.json, doc)
+    print(f"JSON: {args.json}")

@@ -77,11 +77,10 @@ from tierstore.bench.report import (
     NA,
     Progress,
     Report,
-    command_line,
     format_table,
     machine_info,
     median,
-    write_json,
+    write_results,
 )
 from tierstore.bench.scratch import make_scratch_dir, remove_scratch_dir
 from tierstore.config import TierConfig, human_bytes
@@ -878,16 +877,10 @@ def run(args: argparse.Namespace) -> int:
     if hasattr(os, "getloadavg"):
         info["loadavg_after_1_5_15min"] = list(os.getloadavg())
     if args.json:
-        doc = {
-            "benchmark": "soak",
-            "command": command_line(),
-            "options": {k: v for k, v in vars(args).items() if k != "run"},
-            "machine": info,
-            "torch": torch.__version__,
+        runs = {
             "flat": all(r.flat for r in results),
             "ok": all(r.ok for r in results),
             "runs": [r.as_dict() for r in results],
         }
-        write_json(args.json, doc)
-        print(f"JSON: {args.json}")
+        write_results(args, "soak", info, runs)
     return 0 if all(r.ok for r in results) else 1

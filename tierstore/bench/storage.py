@@ -78,14 +78,13 @@ from tierstore.bench.report import (
     NA,
     Progress,
     Report,
-    command_line,
     fmt_ratio,
     format_table,
     load_pyplot,
     machine_info,
     median,
     percentile,
-    write_json,
+    write_results,
 )
 from tierstore.bench.scratch import make_scratch_dir, remove_scratch_dir
 from tierstore.config import TierConfig, human_bytes
@@ -970,17 +969,8 @@ def run(args: argparse.Namespace) -> int:
         print("device <-> host copies of the same tensors (GPU: " + info["gpu"] + ")")
         print(format_copies(copies))
     if args.json:
-        doc = {
-            "benchmark": "storage",
-            "command": command_line(),
-            "options": {k: v for k, v in vars(args).items() if k != "run"},
-            "machine": info,
-            "torch": torch.__version__,
-            **report.as_dict(),
-            "copies": [asdict(c) for c in copies],
-        }
-        write_json(args.json, doc)
-        print(f"JSON: {args.json}")
+        results = {**report.as_dict(), "copies": [asdict(c) for c in copies]}
+        write_results(args, "storage", info, results)
     if args.plot:
         plot_storage(report, args.plot)
         print(f"plot: {args.plot}")

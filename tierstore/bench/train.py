@@ -105,13 +105,12 @@ from tierstore.bench.report import (
     NA,
     Progress,
     Report,
-    command_line,
     fmt_ratio,
     format_table,
     load_pyplot,
     machine_info,
     median,
-    write_json,
+    write_results,
 )
 from tierstore.bench.scratch import make_scratch_dir, remove_scratch_dir
 from tierstore.config import TierConfig, human_bytes
@@ -1278,16 +1277,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_train(report))
     if args.json:
-        doc = {
-            "benchmark": "train",
-            "command": command_line(),
-            "options": {k: v for k, v in vars(args).items() if k != "run"},
-            "machine": info,
-            "torch": torch.__version__,
-            **report.as_dict(),
-        }
-        write_json(args.json, doc)
-        print(f"JSON: {args.json}")
+        write_results(args, "train", info, report.as_dict())
     if args.plot:
         plot_train(report, args.plot)
         print(f"plot: {args.plot}")
