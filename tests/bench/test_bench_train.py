@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch
 from tierstore.bench import train
 from tierstore.bench.cli import add_bench_parser
 from tierstore.bench.gpt import GPT, GPTConfig
+from tierstore.bench.report import Progress
 from tierstore.errors import TierstoreError
 
 
@@ -52,15 +54,21 @@ def bench_dir(tmp_path: Path) -> Path:
 def test_every_strategy_matches_none_bitwise(
     bench_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # Every CPU strategy, in this process (fast); the fresh-process runs are
+    # tested below on fewer strategies.
     out_json = tmp_path / "out" / "train.json"
-    argv = ["--quick", "--steps", "2", "--quiet", "--dir", str(bench_dir)]
-    assert _run([*argv, "--json", str(out_json)]) == 0
+    argv = ["--quick", "--steps", "2", "--quiet", "--dir", str(bench_dir), "--in-process"]
+    assert _run([*argv, "--no-live-pass", "--json", str(out_json)]) == 0
 
     printed = capsys.readouterr().out
-    table = printed[printed.index("strategy ") :]
+    table = printed[printed.index("\nstrategy ") + 1 :]
+    # The headline, named, after the step time columns.
+    assert re.match(r"strategy +step s +vs none +vs naive +peak RSS +vs none +vs naive ", table)
+    assert "moved/step" in table and "live peak" not in table
     for name in train.CPU_STRATEGIES:
         assert f"\n{name} " in table, name
     assert "gradients differ" not in printed
+    assert "every strategy in this one process" in printed
 
     doc = json.loads(out_json.read_text())
     for key in ("benchmark", "command", "options", "machine", "torch", "settings", "model"):
@@ -68,7 +76,8 @@ def test_every_strategy_matches_none_bitwise(
     assert doc["benchmark"] == "train"
     assert doc["model"]["layers"] == 2 and doc["model"]["d_model"] == 64
     assert doc["model"]["saved_activation_bytes_per_step"] > 0
-    assert doc["settings"]["memory_measure"] == "a fresh process, glibc M_MMAP_THRESHOLD=1 MiB"
+    assert doc["settings"]["isolate"] is False and doc["settings"]["live_measure"] is None
+    assert "malloc_trim" in doc["settings"]["memory_measure"]
     assert [r["name"] for r in doc["rows"]] == list(train.CPU_STRATEGIES)
     for r in doc["rows"]:
         name = r["name"]
@@ -76,11 +85,12 @@ def test_every_strategy_matches_none_bitwise(
         assert r["grads_bitwise_equal"] is True, name
         assert len(r["warmup_s"]) == 1 and len(r["step_s"]) == 2, name
         assert all(s > 0 for s in r["step_s"]), name
-        assert r["median_step_s"] > 0 and r["peak_activation_bytes"] >= 0, name
-        # Memory comes from the second pass, in a fresh process.
-        assert r["memory_step_s"] > 0 and r["peak_bytes"] == [r["peak_activation_bytes"]]
-        assert r["timeline"]["pass"] == "memory", name
-        assert len(r["peak_bytes_default_allocator"]) == 2, name
+        assert r["median_step_s"] > 0, name
+        # One peak per step, warm-up included; the headline is their maximum.
+        assert len(r["peak_bytes"]) == 3 and r["peak_memory_bytes"] == max(r["peak_bytes"])
+        assert r["peak_rss_total_bytes"] > r["peak_memory_bytes"], name
+        assert r["peak_allocated_bytes"] is None and r["peak_live_bytes"] is None, name
+        assert r["timeline"]["step"] == 3, name
         assert len(r["timeline"]["t_s"]) == len(r["timeline"]["memory_bytes"]) >= 2, name
         assert r["step_vs_none"] > 0 and r["step_vs_naive"] > 0, name
         if name.startswith("tierstore-"):
@@ -88,6 +98,7 @@ def test_every_strategy_matches_none_bitwise(
             # Everything offloadable went to disk (budgets 0 above it) and came back.
             assert disk["peak_bytes"] > 0 and disk["written_per_step"] > 0, name
             assert disk["read_per_step"] > 0, name
+            assert r["moved_per_step"] == disk["written_per_step"] + disk["read_per_step"]
             assert r["tiers"]["host"]["peak_bytes"] == 0, name
             assert r["config"]["disk_backend"] == name.removeprefix("tierstore-")
             assert r["config"]["device_budget"] == 0 and r["config"]["host_budget"] == 0
@@ -100,18 +111,125 @@ def test_every_strategy_matches_none_bitwise(
             disk = r["tiers"]["disk"]
             full = next(x for x in doc["rows"] if x["name"] == "tierstore-file")
             assert 0 < disk["written_per_step"] < full["tiers"]["disk"]["written_per_step"]
+            assert 0 < r["moved_per_step"] < full["moved_per_step"]
             assert r["config"]["disk_backend"] == "file"
         else:
             assert r["tiers"] is None and r["prefetch"] is None, name
+            assert r["moved_per_step"] is None, name
             assert r["timeline"]["tiers"] == {}, name
     none = doc["rows"][0]
     assert none["step_vs_none"] == pytest.approx(1.0)
     assert none["memory_vs_none"] in (None, pytest.approx(1.0))
     checks = {(t["strategy"], t["check"]) for t in doc["targets"]}
     assert ("tierstore-file", "max |grad diff| vs none") in checks
-    assert ("tierstore-lmdb", "peak activation memory vs none") in checks
+    assert ("tierstore-lmdb", "peak RSS vs none") in checks
+    assert ("tierstore-lmdb", "peak RSS vs checkpoint") in checks
     # disk-naive's files and the stores' spill directories are gone.
     assert list(bench_dir.iterdir()) == []
+
+
+class _Counting(Progress):
+    """A Progress that records every step reported to it."""
+
+    steps: ClassVar[list[float]] = []
+
+    def advance(self, units: float) -> None:
+        _Counting.steps.append(units)
+        super().advance(units)
+
+
+def test_each_strategy_runs_in_a_fresh_process(
+    bench_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(train, "Progress", _Counting)
+    monkeypatch.setattr(_Counting, "steps", [])
+    out_json = tmp_path / "train.json"
+    argv = ["--quick", "--steps", "2", "--quiet", "--dir", str(bench_dir)]
+    assert _run([*argv, "--strategies", "none,tierstore-file", "--json", str(out_json)]) == 0
+
+    printed = capsys.readouterr().out
+    assert "each strategy in a fresh process" in printed
+    assert "live memory (M_MMAP_THRESHOLD=1MiB, a fresh process)" in printed
+    assert "live peak" in printed
+    doc = json.loads(out_json.read_text())
+    assert doc["settings"]["isolate"] is True
+    assert (
+        "default allocator, each strategy in a fresh process" in doc["settings"]["memory_measure"]
+    )
+    assert doc["settings"]["live_measure"] == "live memory (M_MMAP_THRESHOLD=1MiB, a fresh process)"
+    none, offload = doc["rows"]
+    # A fresh process's steps allocate: the headline is positive, and the
+    # absolute peak (torch, the model) is far above it.
+    assert none["peak_memory_bytes"] > 0 and none["memory_vs_none"] == pytest.approx(1.0)
+    assert none["peak_rss_total_bytes"] > none["peak_memory_bytes"] + (50 << 20)
+    for r in (none, offload):
+        assert len(r["warmup_s"]) == 1 and len(r["step_s"]) == 2 and r["median_step_s"] > 0
+        assert r["peak_memory_bytes"] == max(r["peak_bytes"]) and len(r["peak_bytes"]) == 3
+        assert r["peak_live_bytes"] > 0 and r["live_step_s"] > 0
+        assert r["grads_bitwise_equal"] is True and r["max_grad_diff"] == 0
+    assert offload["live_vs_none"] == pytest.approx(
+        offload["peak_live_bytes"] / none["peak_live_bytes"]
+    )
+    # The child's store statistics came back.
+    assert offload["moved_per_step"] > 0 and offload["config"]["disk_backend"] == "file"
+    # A step event per step: three per strategy, then the live pass's.
+    assert len(_Counting.steps) == 2 * 3 + 2 * train._LIVE_STEPS
+    # The children's gradients, logs and spill files went with the scratch directory.
+    assert list(bench_dir.iterdir()) == []
+
+
+def test_a_fresh_process_with_other_gradients_is_reported(
+    bench_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The child, not this process, runs the strategy: the change goes into
+    # its script. Its gradients come back through a safetensors file.
+    off_by_a_bit = """
+import sys
+from tierstore.bench import train
+unpack = train._NaiveDisk._unpack
+def _unpack(self, temp_file):
+    t = unpack(self, temp_file)
+    return t + 1e-3 if t.is_floating_point() else t
+train._NaiveDisk._unpack = _unpack
+train._strategy_child(sys.argv[1])
+"""
+    monkeypatch.setattr(train, "_STRATEGY_CHILD", off_by_a_bit)
+    settings = train.quick_settings(
+        steps=1,
+        warmup=0,
+        strategies=("none", "disk-naive"),
+        directory=str(bench_dir),
+        live_pass=False,
+    )
+    report = train.bench_train(settings, show_progress=False)
+    none, naive = report.row("none"), report.row("disk-naive")
+    assert none is not None and none.grads_bitwise_equal is True
+    assert naive is not None and naive.grads_bitwise_equal is False
+    assert naive.max_grad_diff is not None and naive.max_grad_diff > 0
+
+
+def test_gradients_are_compared_bitwise() -> None:
+    # One ulp apart, or only in the sign of a zero: what a tolerance would hide.
+    torch.manual_seed(0)
+    reference = {"w": torch.randn(4, 4), "b": torch.zeros(4)}
+    same = {name: t.clone() for name, t in reference.items()}
+    result = train.StrategyResult("same")
+    train._compare_grads(result, reference, same)
+    assert (result.max_grad_diff, result.grads_bitwise_equal) == (0.0, True)
+
+    ulp = dict(same, w=torch.nextafter(reference["w"], torch.full((4, 4), 10.0)))
+    result = train.StrategyResult("ulp")
+    train._compare_grads(result, reference, ulp)
+    assert result.grads_bitwise_equal is False
+    assert result.max_grad_diff is not None and 0 < result.max_grad_diff < 1e-6
+
+    missing = {"w": reference["w"]}
+    result = train.StrategyResult("missing")
+    train._compare_grads(result, reference, missing)
+    assert (result.max_grad_diff, result.grads_bitwise_equal) == (float("inf"), False)
 
 
 def test_a_strategy_with_other_gradients_is_reported(
@@ -126,7 +244,8 @@ def test_a_strategy_with_other_gradients_is_reported(
 
     monkeypatch.setattr(train._NaiveDisk, "_unpack", off_by_a_bit)
     argv = ["--quick", "--steps", "1", "--warmup", "0", "--quiet", "--dir", str(bench_dir)]
-    assert _run([*argv, "--no-memory-pass", "--strategies", "none,disk-naive"]) == 1
+    argv += ["--in-process", "--no-live-pass", "--strategies", "none,disk-naive"]
+    assert _run(argv) == 1
     printed = capsys.readouterr().out
     assert "gradients differ from none's: disk-naive" in printed
     assert "disk-naive: " not in printed  # targets are printed for tierstore rows only
@@ -155,7 +274,8 @@ def test_gradients_are_compared_on_the_last_step(
         warmup=1,
         strategies=("none", "disk-naive"),
         directory=str(bench_dir),
-        memory_pass=False,
+        isolate=False,
+        live_pass=False,
     )
     report = train.bench_train(settings, show_progress=False)
     row = report.row("disk-naive")
@@ -164,10 +284,81 @@ def test_gradients_are_compared_on_the_last_step(
     assert row.grads_bitwise_equal is False
 
 
-def test_a_failing_memory_pass_says_why(bench_dir: Path) -> None:
-    settings = train.quick_settings(directory=str(bench_dir / "missing"))
-    with pytest.raises(TierstoreError, match=r"memory pass .* failed with exit status 1"):
-        train._memory_pass(settings, ["disk-naive"], 64 << 20, train.Progress(2, enabled=False))
+_FAILING_CHILD = "import sys; print('it went wrong', file=sys.stderr); sys.exit(3)"
+
+
+@pytest.mark.parametrize(
+    ("script", "isolate", "what"),
+    [("_STRATEGY_CHILD", True, "strategy none"), ("_LIVE_CHILD", False, "the live pass")],
+)
+def test_a_failing_child_says_why(
+    bench_dir: Path, monkeypatch: pytest.MonkeyPatch, script: str, isolate: bool, what: str
+) -> None:
+    monkeypatch.setattr(train, script, _FAILING_CHILD)
+    settings = train.quick_settings(
+        steps=1, warmup=0, strategies=("none",), directory=str(bench_dir), isolate=isolate
+    )
+    message = rf"^tierstore: bench train: {what} \(a child process\) failed with exit status 3: "
+    with pytest.raises(TierstoreError, match=message + "it went wrong$"):
+        train.bench_train(settings, show_progress=False)
+    assert list(bench_dir.iterdir()) == []  # the scratch directory went all the same
+
+
+def _row(name: str, step: float, peak: int, **fields: Any) -> train.StrategyResult:
+    return train.StrategyResult(
+        name, median_step_s=step, peak_memory_bytes=peak, max_grad_diff=0.0, **fields
+    )
+
+
+def test_cpu_targets_are_issue_11s() -> None:
+    rows = [
+        _row("none", 1.0, 1000),
+        _row("checkpoint", 1.3, 300),
+        _row("disk-naive", 3.0, 100),
+        _row("tierstore-file", 1.05, 200, prefetch={"hit_rate": 0.97}),
+    ]
+    train._add_ratios(rows)
+    got = {
+        t["check"]: (t["value"], t["op"], t["target"], t["met"])
+        for t in train._targets(rows, False)
+    }
+    assert got == {
+        "peak RSS vs none": (pytest.approx(0.2), "<=", 0.25, True),
+        "step time vs none": (pytest.approx(1.05), "<=", 1.10, True),
+        "peak RSS vs checkpoint": (pytest.approx(2 / 3), "<=", 1.0, True),
+        "peak RSS vs disk-naive": (pytest.approx(2.0), "<=", 1.0, False),
+        "prefetch hit rate after warm-up": (0.97, ">=", 0.95, True),
+        "max |grad diff| vs none": (0.0, "<=", 0.0, True),
+    }
+    # Without the rivals in the run, their checks are there, not measured.
+    alone = [_row("none", 1.0, 1000), _row("tierstore-lmdb", 1.0, 200)]
+    train._add_ratios(alone)
+    verdicts = {t["check"]: t["met"] for t in train._targets(alone, False)}
+    assert verdicts["peak RSS vs checkpoint"] is None
+    assert verdicts["peak RSS vs disk-naive"] is None
+    assert verdicts["prefetch hit rate after warm-up"] is None
+
+
+def test_cuda_report_names_reserved_and_allocated() -> None:
+    rows = [
+        _row("none", 1.0, 1000, peak_allocated_bytes=900),
+        _row("save_on_cpu", 1.1, 400, peak_allocated_bytes=300),
+        _row("tierstore-host", 1.03, 300, peak_allocated_bytes=350),
+    ]
+    train._add_ratios(rows)
+    targets = train._targets(rows, True)
+    got = {t["check"]: (t["target"], t["met"]) for t in targets}
+    assert got == {
+        "step time vs none": (1.04, True),
+        "reserved vs save_on_cpu": (1.0, True),
+        "allocated vs save_on_cpu": (1.0, False),
+        "max |grad diff| vs none": (0.0, True),
+    }
+    model = {"device": "cuda", "saved_activation_bytes_per_step": 2 << 30}
+    report = train.TrainReport(rows=rows, settings={}, targets=targets, model=model)
+    header = train.format_train(report).splitlines()[0]
+    assert re.match(r"strategy +step s +vs none +vs naive +reserved +vs none +vs naive ", header)
+    assert "allocated" in header and "RSS" not in header and "live" not in header
 
 
 def test_peak_memory_sees_a_step_that_allocates(bench_dir: Path) -> None:
@@ -187,8 +378,8 @@ def test_peak_memory_sees_a_step_that_allocates(bench_dir: Path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     bench = train._Bench(settings, model, torch.device("cpu"), bench_dir, 1 << 26)
     try:
-        plain = [bench._step(train._Strategy("none"), opt, i)[1] for i in range(3)]
-        hog = [bench._step(Hog("hog"), opt, i)[1] for i in range(3)]
+        plain = [bench._step(train._Strategy("none"), opt, i)[1].above for i in range(3)]
+        hog = [bench._step(Hog("hog"), opt, i)[1].above for i in range(3)]
     finally:
         bench.close()
     # The first step of each allocates the gradients; compare the others.
@@ -199,7 +390,8 @@ def test_plot_is_a_png(bench_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib (tierstore[bench])")
     png = tmp_path / "plots" / "train.png"
     argv = ["--quick", "--steps", "1", "--quiet", "--dir", str(bench_dir)]
-    argv += ["--strategies", "none,tierstore-file", "--no-memory-pass", "--plot", str(png)]
+    argv += ["--strategies", "none,tierstore-file", "--in-process", "--no-live-pass"]
+    argv += ["--plot", str(png)]
     assert _run(argv) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
@@ -210,9 +402,13 @@ def test_quick_picks_a_tiny_model_and_flags_win() -> None:
     assert (s.layers, s.d_model, s.seq) == (3, 64, 64)
     s = train.settings_from_args(_parse([]))
     assert (s.layers, s.d_model, s.heads, s.seq, s.batch) == (6, 512, 8, 512, 8)
-    assert (s.steps, s.warmup, s.device, s.memory_pass) == (4, 1, "cpu", True)
+    assert (s.steps, s.warmup, s.device, s.isolate, s.live_pass) == (4, 1, "cpu", True, True)
     assert s.strategies == ()  # the device's defaults
-    assert train.settings_from_args(_parse(["--no-memory-pass"])).memory_pass is False
+    s = train.settings_from_args(_parse(["--in-process", "--no-live-pass"]))
+    assert (s.isolate, s.live_pass) == (False, False)
+    # The old name of the flag skips the same (live) pass, and only it.
+    s = train.settings_from_args(_parse(["--no-memory-pass"]))
+    assert (s.isolate, s.live_pass) == (True, False)
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,14 @@
-"""Process memory for the benchmarks: anonymous RSS and giving freed memory back.
+"""Process memory for the benchmarks: anonymous RSS, and glibc settings that change it.
 
 ``bench train`` and ``bench soak`` measure memory as anonymous resident bytes
-(NOTE [ What bench train measures ] in ``tierstore/bench/train.py``), with the
-garbage collector and glibc's ``malloc_trim`` run first so that freed memory
-does not count.
+(NOTE [ What bench train measures ] in ``tierstore/bench/train.py``).
+``bench train``'s headline leaves the allocator alone, as a user's process
+does: each strategy in a fresh process, no ``mallopt``, no ``malloc_trim``.
+:func:`follow_live_memory` serves its live-memory pass, and
+:func:`release_free_memory` (the garbage collector, then glibc's
+``malloc_trim``) the runs that share one process between several
+measurements (``bench soak``, ``bench train --in-process``, the live pass),
+so that memory freed by an earlier one counts less against the next.
 
 Example:
     >>> from tierstore.bench.memory import AnonRss, release_free_memory
