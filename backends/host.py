@@ -1,4 +1,4 @@
-"""The host tier's resting place: a pool of (pinned) host buffers, reused across steps.
+"""Host memory tierstore owns: a pool of (pinned) host buffers, reused across steps.
 
 NOTE [ Host pool ]
 
@@ -17,11 +17,35 @@ caller allocates outside the pool (counted in ``allocations_outside``).
 The pool knows nothing about streams: a block still read or written by a
 copy in flight must not be given back yet. Its owner (the movers) gives it
 back once the copy's event has completed.
+
+NOTE [ Leased buffers ]
+
+On a CPU the same pool, unpinned, holds tierstore's own large buffers: the
+destinations of disk reads, which become the tensors backward receives, and
+write staging. Were they allocated from the process heap, glibc would keep
+their pages after backward freed them (freed heap memory is reused, not
+returned), and since reads are allocated on the I/O thread, in an arena of
+its own, the heap would hold a second copy of the activations' footprint.
+:meth:`HostPool.lease` hands out a tensor over a block whose *storage* gives
+the block back when the last tensor viewing it is freed: autograd dropping
+an unpacked saved tensor returns its memory to the pool, not to the heap.
+That return can happen on any thread at any moment (a garbage collection
+inside :meth:`HostPool.take`, say), so it only queues the block; whoever
+next holds the pool's lock puts it back.
+
+Unpinned chunks are anonymous ``mmap`` memory: only pages written to are
+resident, and :meth:`HostPool.trim` hands the pages of chunks with no block
+out back to the kernel (``MADV_DONTNEED``), so memory recycled within a
+step does not stay resident between steps. Pinned chunks are never trimmed:
+pinning is what the pool exists to do once.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -60,11 +84,37 @@ class HostBlock:
 
 
 class _Chunk:
-    __slots__ = ("alloc", "memory")
+    __slots__ = ("alloc", "map", "memory", "used")
 
     def __init__(self, nbytes: int, pin: bool) -> None:
-        self.memory = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.map: mmap.mmap | None = None
+        if pin:
+            self.memory = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        else:  # NOTE [ Leased buffers ]: pages can be handed back
+            self.map = mmap.mmap(-1, nbytes)
+            self.memory = torch.frombuffer(self.map, dtype=torch.uint8)
         self.alloc = ExtentAllocator(nbytes)
+        self.used = 0
+
+    def trim(self) -> bool:
+        """Hand the pages back if no block is out; whether it did."""
+        if self.map is None or self.used:
+            return False
+        self.map.madvise(mmap.MADV_DONTNEED)
+        return True
+
+
+class _Lease:
+    """Gives its block back when the storage holding it is freed (NOTE [ Leased buffers ])."""
+
+    __slots__ = ("block", "pool")
+
+    def __init__(self, pool: HostPool, block: HostBlock) -> None:
+        self.pool = pool
+        self.block = block
+
+    def __del__(self) -> None:
+        self.pool._returned(self.block)
 
 
 class HostPool:
@@ -103,6 +153,7 @@ class HostPool:
         self._outside = 0
         self._lock = threading.Lock()
         self._closed = False
+        self._returns: deque[HostBlock] = deque()  # leases freed, not yet put back
 
     @property
     def pinned(self) -> bool:
@@ -117,7 +168,9 @@ class HostPool:
     @property
     def used_bytes(self) -> int:
         """Bytes handed out in blocks now (each rounded up to :data:`BLOCK_ALIGN`)."""
-        return self._used
+        with self._lock:
+            self._put_back()
+            return self._used
 
     @property
     def allocations_outside(self) -> int:
@@ -134,6 +187,7 @@ class HostPool:
         with self._lock:
             if self._closed:
                 raise StoreClosedError("tierstore: the host pool is closed")
+            self._put_back()
             for i, chunk in enumerate(self._chunks):
                 offset = chunk.alloc.allocate(length)
                 if offset is not None:
@@ -151,20 +205,92 @@ class HostPool:
 
     def _block(self, chunk: int, offset: int, length: int, nbytes: int) -> HostBlock:
         self._used += length
+        self._chunks[chunk].used += length
         view = self._chunks[chunk].memory[offset : offset + nbytes]
         return HostBlock(chunk, offset, length, view)
+
+    def lease(self, nbytes: int) -> torch.Tensor | None:
+        """``nbytes`` of uint8 whose block comes back when the tensor's storage is freed.
+
+        Views of the tensor keep the block out, as they keep its storage;
+        ``None`` when the pool is full (NOTE [ Leased buffers ]).
+
+        Raises:
+            StoreClosedError: the pool was closed.
+
+        Example:
+            >>> import gc
+            >>> from tierstore.backends.host import HostPool
+            >>> pool = HostPool(capacity=1 << 20, step=1 << 20, pin=False)
+            >>> t = pool.lease(5000)
+            >>> t.numel(), pool.used_bytes
+            (5000, 8192)
+            >>> del t; _ = gc.collect(); pool.used_bytes
+            0
+            >>> pool.close()
+        """
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        block = self.take(nbytes)
+        if block is None:
+            return None
+        window = (ctypes.c_char * nbytes).from_address(block.tensor.data_ptr())
+        # frombuffer keeps `window` until the storage dies; `window` keeps the
+        # lease, whose block keeps the chunk's memory valid even after close().
+        window._lease = _Lease(self, block)  # type: ignore[attr-defined]
+        return torch.frombuffer(window, dtype=torch.uint8)
+
+    def _returned(self, block: HostBlock) -> None:
+        # Any thread, any moment (NOTE [ Leased buffers ]): queue, then put
+        # back only if the lock is free; its holder drains the queue otherwise.
+        self._returns.append(block)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._put_back()
+            finally:
+                self._lock.release()
+
+    def _put_back(self) -> None:
+        # Caller holds the lock.
+        while self._returns:
+            self._free(self._returns.popleft())
+
+    def _free(self, block: HostBlock) -> None:
+        if self._closed:
+            return
+        chunk = self._chunks[block.chunk]
+        chunk.alloc.free(block.offset, block.length)
+        chunk.used -= block.length
+        self._used -= block.length
 
     def give(self, block: HostBlock) -> None:
         """Return ``block``; no copy may still be using its memory. No-op once closed."""
         with self._lock:
+            self._free(block)
+
+    def trim(self) -> int:
+        """Hand back the pages of unpinned chunks with no block out; returns their bytes.
+
+        The chunks stay mapped: using them again costs page faults, not a
+        system call (NOTE [ Leased buffers ]).
+
+        Example:
+            >>> from tierstore.backends.host import HostPool
+            >>> pool = HostPool(capacity=1 << 20, step=1 << 20, pin=False)
+            >>> pool.give(pool.take(100)); pool.trim()
+            1048576
+            >>> pool.close()
+        """
+        with self._lock:
             if self._closed:
-                return
-            self._chunks[block.chunk].alloc.free(block.offset, block.length)
-            self._used -= block.length
+                return 0
+            self._put_back()
+            return sum(c.memory.numel() for c in self._chunks if c.trim())
 
     def close(self) -> None:
         """Drop every chunk (blocks handed out keep their memory alive). Idempotent."""
         with self._lock:
             self._closed = True
             self._chunks.clear()
+            self._returns.clear()
             self._used = 0

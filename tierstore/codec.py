@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,6 +41,7 @@ import zstandard
 from tierstore.errors import CorruptDataError
 
 __all__ = [
+    "Alloc",
     "Frame",
     "FrameMeta",
     "Layout",
@@ -54,6 +56,19 @@ __all__ = [
 ]
 
 Compression = Literal["none", "zstd"]
+
+#: Gives ``nbytes`` of uint8 CPU memory: where a span, payload or scratch
+#: buffer lands. The store passes buffers it recycles (NOTE [ Leased buffers ]
+#: in ``tierstore/backends/host.py``); ``None`` means the heap (``torch.empty``).
+Alloc = Callable[[int], torch.Tensor]
+
+
+def _empty(nbytes: int, dtype: torch.dtype, alloc: Alloc | None) -> torch.Tensor:
+    """A 1-D CPU tensor of ``nbytes`` bytes of ``dtype``, from ``alloc`` or the heap."""
+    if alloc is None:
+        return torch.empty(nbytes // dtype.itemsize, dtype=dtype)
+    return alloc(nbytes).view(dtype)
+
 
 # NOTE [ Spans ]
 # A saved tensor may be a view: transposed, sliced, expanded (stride 0), or a
@@ -142,11 +157,12 @@ def _is_dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def to_span(t: torch.Tensor) -> tuple[torch.Tensor, Layout]:
+def to_span(t: torch.Tensor, alloc: Alloc | None = None) -> tuple[torch.Tensor, Layout]:
     """Split a strided tensor into a 1-D span of its elements and the layout that views it.
 
     The span is a view of ``t``'s storage when that is possible (no copy),
-    see ``NOTE [ Spans ]``.
+    see ``NOTE [ Spans ]``; otherwise a dense copy, in memory from ``alloc``
+    when ``t`` is a CPU tensor.
 
     Example:
         >>> import torch
@@ -171,7 +187,11 @@ def to_span(t: torch.Tensor) -> tuple[torch.Tensor, Layout]:
         rest_stride = core_stride
     else:
         dense = _dense_strides(core_shape, core_stride)
-        compact = torch.empty_strided(core_shape, dense, dtype=t.dtype, device=t.device)
+        if alloc is not None and t.device.type == "cpu":
+            flat = _empty(core.numel() * t.element_size(), t.dtype, alloc)
+            compact = flat.as_strided(core_shape, dense, 0)
+        else:
+            compact = torch.empty_strided(core_shape, dense, dtype=t.dtype, device=t.device)
         compact.copy_(core)
         span = compact.as_strided((compact.numel(),), (1,), 0)
         full_dense = tuple(0 if st == 0 else d for st, d in zip(stride, dense, strict=True))
@@ -186,8 +206,11 @@ def to_span(t: torch.Tensor) -> tuple[torch.Tensor, Layout]:
     return span, Layout(shape, full_stride, 0)
 
 
-def from_span(span: torch.Tensor, layout: Layout) -> torch.Tensor:
+def from_span(span: torch.Tensor, layout: Layout, alloc: Alloc | None = None) -> torch.Tensor:
     """View a span as the tensor it was split from.
+
+    A gapped view is copied into a buffer with its own strides, from
+    ``alloc`` for a CPU span (``None``: the heap); see ``NOTE [ Spans ]``.
 
     Example:
         >>> import torch
@@ -206,7 +229,11 @@ def from_span(span: torch.Tensor, layout: Layout) -> torch.Tensor:
         1 if st == 0 else n for n, st in zip(layout.shape, layout.stride, strict=True)
     )
     dense = span.as_strided(core_shape, layout.dense, span.storage_offset())
-    buffer = span.new_empty(_extent(core_shape, layout.stride))
+    extent = _extent(core_shape, layout.stride)
+    if alloc is not None and span.device.type == "cpu":
+        buffer = _empty(extent * span.element_size(), span.dtype, alloc)
+    else:
+        buffer = span.new_empty(extent)
     buffer.as_strided(core_shape, layout.stride, 0).copy_(dense)
     return buffer.as_strided(layout.shape, layout.stride, 0)
 
@@ -369,7 +396,12 @@ def _header(meta: FrameMeta, st_dtype: str, st_shape: list[int]) -> bytes:
     return struct.pack("<Q", len(body)) + body
 
 
-def encode(span: torch.Tensor, compression: Compression = "none", level: int = 1) -> Frame:
+def encode(
+    span: torch.Tensor,
+    compression: Compression = "none",
+    level: int = 1,
+    alloc: Alloc | None = None,
+) -> Frame:
     """Frame a 1-D CPU span as a self-describing record.
 
     Args:
@@ -377,6 +409,8 @@ def encode(span: torch.Tensor, compression: Compression = "none", level: int = 1
         compression: ``"none"`` or ``"zstd"`` (16/32-bit floats are
             byte-shuffled first).
         level: zstd level.
+        alloc: where the shuffled bytes and the compressed payload go
+            (``None``: the heap); unused without compression.
 
     Example:
         >>> import torch, safetensors.torch
@@ -392,10 +426,13 @@ def encode(span: torch.Tensor, compression: Compression = "none", level: int = 1
         raw = span.view(torch.uint8)
         if shuffle:
             # Byte k of every element together: exponents repeat, so zstd finds runs.
-            raw = raw.view(-1, shuffle).t().contiguous()
-        data = zstandard.ZstdCompressor(level=level).compress(byte_view(raw))
-        meta = FrameMeta(dtype, span.numel(), "zstd", shuffle, len(data), checksum(data))
-        return Frame(_header(meta, "U8", [len(data)]), memoryview(data), data)
+            shuffled = _empty(raw.numel(), torch.uint8, alloc)
+            shuffled.view(shuffle, -1).copy_(raw.view(-1, shuffle).t())
+            raw = shuffled
+        out = _empty(_compress_bound(raw.numel()), torch.uint8, alloc)
+        data = _compress_into(raw, out, level)
+        meta = FrameMeta(dtype, span.numel(), "zstd", shuffle, data.nbytes, checksum(data))
+        return Frame(_header(meta, "U8", [data.nbytes]), data, out)
     payload = byte_view(span)
     meta = FrameMeta(dtype, span.numel(), "none", 0, payload.nbytes, checksum(payload))
     st = _ST_DTYPES.get(dtype)
@@ -405,6 +442,29 @@ def encode(span: torch.Tensor, compression: Compression = "none", level: int = 1
         else _header(meta, "U8", [payload.nbytes])
     )
     return Frame(header, payload, span)
+
+
+def _compress_bound(nbytes: int) -> int:
+    """The most bytes zstd can make of ``nbytes`` (ZSTD_compressBound)."""
+    return nbytes + (nbytes >> 8) + 128
+
+
+def _compress_into(raw: torch.Tensor, out: torch.Tensor, level: int) -> memoryview:
+    """Compress ``raw`` with zstd into ``out``; the view of the bytes written."""
+    view = byte_view(out)
+    filled = 0
+    cctx = zstandard.ZstdCompressor(level=level)
+    if raw.numel() == 0:  # the stream reader never reports the end of an empty source
+        empty = cctx.compress(b"")
+        view[: len(empty)] = empty
+        return view[: len(empty)]
+    with cctx.stream_reader(byte_view(raw), size=raw.numel()) as reader:
+        while True:
+            got = reader.readinto(view[filled:])
+            if got == 0:
+                break
+            filled += got
+    return view[:filled]
 
 
 def parse_header(header: bytes | bytearray | memoryview) -> FrameMeta:
@@ -452,11 +512,16 @@ def parse_header(header: bytes | bytearray | memoryview) -> FrameMeta:
         raise CorruptDataError(f"tierstore: record header is not a tierstore frame: {exc}") from exc
 
 
-def decode(meta: FrameMeta, payload: torch.Tensor | bytearray | memoryview) -> torch.Tensor:
+def decode(
+    meta: FrameMeta,
+    payload: torch.Tensor | bytearray | memoryview,
+    alloc: Alloc | None = None,
+) -> torch.Tensor:
     """Turn a record's payload back into its 1-D CPU span.
 
     ``payload`` may be the tensor returned by :func:`payload_tensor`, in which
-    case an uncompressed record is decoded without a copy.
+    case an uncompressed record is decoded without a copy. A compressed one
+    is decoded into memory from ``alloc`` (``None``: the heap).
 
     The payload's checksum is checked first (NOTE [ Record integrity ]).
 
@@ -492,7 +557,7 @@ def decode(meta: FrameMeta, payload: torch.Tensor | bytearray | memoryview) -> t
                 f"tierstore: payload of {buf.numel()} bytes, header says {meta.raw_nbytes}"
             )
         return buf.view(meta.dtype)
-    out = torch.empty(meta.raw_nbytes, dtype=torch.uint8)
+    out = _empty(meta.raw_nbytes, torch.uint8, alloc)
     try:
         with zstandard.ZstdDecompressor().stream_reader(byte_view(buf)) as reader:
             view = byte_view(out)
@@ -509,15 +574,16 @@ def decode(meta: FrameMeta, payload: torch.Tensor | bytearray | memoryview) -> t
             f"tierstore: zstd payload decodes to {filled} bytes, header says {meta.raw_nbytes}"
         )
     if meta.shuffle:
-        out = out.view(meta.shuffle, -1).t().contiguous()
+        shuffled, out = out, _empty(meta.raw_nbytes, torch.uint8, alloc)
+        out.view(-1, meta.shuffle).copy_(shuffled.view(meta.shuffle, -1).t())
     return out.view(meta.dtype)
 
 
-def payload_tensor(meta: FrameMeta) -> torch.Tensor:
+def payload_tensor(meta: FrameMeta, alloc: Alloc | None = None) -> torch.Tensor:
     """An empty CPU tensor to read a record's payload into (then :func:`decode` it).
 
     Uncompressed payloads are allocated with their real dtype so that
-    decoding them is free.
+    decoding them is free; ``alloc`` gives the memory (``None``: the heap).
 
     Example:
         >>> import torch
@@ -526,5 +592,5 @@ def payload_tensor(meta: FrameMeta) -> torch.Tensor:
         torch.Size([5])
     """
     if meta.codec == "none":
-        return torch.empty(meta.numel, dtype=meta.dtype)
-    return torch.empty(meta.payload_nbytes, dtype=torch.uint8)
+        return _empty(meta.raw_nbytes, meta.dtype, alloc)
+    return _empty(meta.payload_nbytes, torch.uint8, alloc)
