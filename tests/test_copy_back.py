@@ -1,7 +1,7 @@
 """The manager's copy-back logic for CUDA host entries, driven on CPU.
 
 Entries are marked as if they lived on a GPU and the pipeline's
-``device_copy`` is replaced by a clone, so the window, hit/miss and
+transfers' ``device_copy`` is replaced by a clone, so the window, hit/miss and
 demotion bookkeeping that the CUDA path shares runs here too. (Found by a
 review of that path; the GPU tests cover the streams themselves.)
 """
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tierstore import TierConfig
-from tierstore.pipeline import DeviceCopy
 from tierstore.store import TierManager
+from tierstore.transfers import DeviceCopy
 
 GPU = torch.device("cuda", 0)
 
@@ -33,7 +33,7 @@ def _manager(copies: list[int], **config: object) -> TierManager:
         copies.append(span.data_ptr())
         return DeviceCopy(span.clone(), None)
 
-    manager._pipeline.device_copy = fake_copy  # type: ignore[method-assign]
+    manager._transfers.device_copy = fake_copy  # type: ignore[method-assign]
     return manager
 
 
@@ -75,7 +75,7 @@ def test_a_miss_does_not_copy_its_own_entry_twice(
     _as_if_on_gpu(m)
     m.get(handles[2])  # the first unpack of a backward: the newest, a miss
     assert len(copies) == len(set(copies)) == 3  # each entry copied once
-    assert handles[2].key not in m._window
+    assert handles[2].key not in m._reads
     stats = m.stats()
     assert (stats.prefetch_misses, stats.prefetch_hits) == (1, 0)
 
@@ -93,9 +93,9 @@ def test_an_entry_prefetched_then_demoted_to_disk_reads_back(
     ha, hb = m.put(a), m.put(b)
     _as_if_on_gpu(m)
     m.get(hb)
-    assert isinstance(m._window[ha.key][0], DeviceCopy)
+    assert isinstance(m._reads._window[ha.key][0], DeviceCopy)
     m.put(torch.randn(1024))  # makes room: a goes to disk
     m.flush()
     assert m._entries[ha.key].tier == "disk"
-    assert ha.key not in m._window
+    assert ha.key not in m._reads
     assert torch.equal(m.get(ha), a)

@@ -211,8 +211,8 @@ def test_memory_after_forward_matches_no_grad_within_one_entry(empty_check: Empt
         model.zero_grad(set_to_none=True)
         assert torch.cuda.memory_allocated() == before  # nothing left on the device
         empty_check(store)
-        assert store._manager._pipeline.pool_if_open is not None
-        assert store._manager._pipeline.pool_if_open.used_bytes == 0
+        assert store._manager._transfers.pinned_pool_if_open is not None
+        assert store._manager._transfers.pinned_pool_if_open.used_bytes == 0
 
 
 def test_dedupe_keeps_one_pinned_copy(empty_check: EmptyCheck) -> None:
@@ -223,7 +223,7 @@ def test_dedupe_keeps_one_pinned_copy(empty_check: EmptyCheck) -> None:
             y = h * h  # saves h twice
         stats = store.stats()
         assert (stats.deduplicated, stats.tiers["host"].entries) == (1, 1)
-        pool = store._manager._pipeline.pool_if_open
+        pool = store._manager._transfers.pinned_pool_if_open
         assert pool is not None and pool.pinned
         assert pool.used_bytes == 4 * MIB
         y.sum().backward()

@@ -191,7 +191,7 @@ def test_worker_failure_keeps_the_entry_in_host_memory(
     with store.offload():
         a = x.exp()  # saves a: written fine
         b = (a + 1).sin()  # saves a + 1: this write fails
-    concurrent.futures.wait([e.writing for e in store._manager._writing.values()])
+    concurrent.futures.wait(store._manager._writes.futures())
     # Nothing was lost: the tensor whose write failed is still in host memory,
     # within host_budget + write_queue_bytes, so the step goes on with a
     # warning (NOTE [ Failed writes ]; tests/test_faults.py has the rest).

@@ -247,12 +247,13 @@ class TierConfig(BaseSettings):
     )
     prefetch_bytes: Size = Field(
         default=ByteSize(256 << 20),
-        description="Bytes backward may read ahead of use: disk reads, and H2D copies on CUDA.",
+        description="At most this many bytes read ahead of backward (disk reads, H2D copies "
+        "on CUDA); the window below it is sized by need.",
     )
     write_queue_bytes: Size = Field(
         default=ByteSize(256 << 20),
-        description="Bytes of copies queued behind forward (disk writes; D2H copies on CUDA); "
-        "past it, pack waits.",
+        description="At most this many bytes queued behind forward (disk writes; D2H copies "
+        "on CUDA); the queue below it is sized by need, and past it pack waits.",
     )
     io_workers: Count = Field(
         default=4, ge=1, le=64, description="Disk reads and writes in flight at once."
@@ -319,6 +320,8 @@ class TierConfig(BaseSettings):
     #   room left; host_pool_step=0 gives each block a chunk of its own size.
     # - write_queue_bytes=0: writes are synchronous (pack waits for each).
     #   prefetch_bytes=0: no read-ahead; every unpack from disk is a miss.
+    #   Both are upper bounds: below them the store sizes what is in flight
+    #   by need (NOTE [ In-flight sizing ] in tierstore/sizing.py).
     # - prefetch_bytes or write_queue_bytes above host_budget: they bound
     #   bytes in flight, which are not counted in the host tier.
     # - pin_memory without CUDA: there is nothing to pin; ignored.

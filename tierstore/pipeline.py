@@ -1,7 +1,8 @@
-"""Movers: the copies between tiers, and the disk backend they drive.
+"""Movers: the disk I/O, off the caller's thread, and the backend it drives.
 
-The tier manager decides *what* moves where; this layer does the moving, off
-the caller's thread. See ``NOTE [ Movers ]``.
+The tier manager decides *what* moves where; this layer moves bytes between
+host memory and the disk backend. See ``NOTE [ Movers ]``. Copies between
+host and device are ``tierstore/transfers.py``'s.
 
 Example:
     >>> import tempfile, torch
@@ -21,7 +22,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -32,7 +32,6 @@ import torch
 from tierstore import codec
 from tierstore.backends import backend_class
 from tierstore.backends.base import Backend
-from tierstore.backends.host import HostBlock, HostPool
 from tierstore.config import TierConfig
 from tierstore.errors import (
     DISK_HINT,
@@ -42,30 +41,9 @@ from tierstore.errors import (
     quoted,
 )
 
-__all__ = ["DeviceCopy", "HostBlock", "HostCopy", "Pipeline", "Record"]
+__all__ = ["Pipeline", "Record"]
 
 T = TypeVar("T")
-
-# NOTE [ Copies on CUDA ]
-# D2H (a saved tensor leaves the device): the d2h stream waits on the
-# producer's stream, read at call time, then copies into a pooled pinned
-# block and records an event. Pack returns at once; the caller keeps the span
-# copied from (for a view with gaps, a compact temporary that nothing else
-# holds) and the saved tensor referenced until that event has completed
-# (HostCopy.ready),
-# so the caching allocator cannot hand its memory to a new tensor while the
-# copy still reads it. A disk write of the block first waits for the event
-# on the I/O thread.
-# H2D (backward needs it back): the destination is allocated on the
-# consumer's stream, and the h2d stream waits on that stream before it writes
-# there, because the caching allocator hands the consumer's freed blocks out
-# in that stream's order; it also waits on the entry's D2H event if that copy
-# is still under way. The consumer's stream then waits on the H2D event
-# (DeviceCopy.ready): no host synchronisation anywhere, and no
-# record_stream. Prefetched copies are issued at earlier unpacks, so they run
-# on the h2d stream while the consumer computes.
-# A pool block goes back only once every copy issued before the release, on
-# both copy streams, has completed (an event recorded on each at release).
 
 # NOTE [ A dead I/O thread ]
 # The loop thread runs only our coroutines and callbacks, but a BaseException
@@ -110,58 +88,50 @@ _LOST = (
 )
 
 
+def _store(
+    backend: Backend[Any],
+    key: int,
+    span: torch.Tensor,
+    config: TierConfig,
+    alloc: codec.Alloc | None,
+) -> Record:
+    """Encode ``span`` and write it under ``key``: one executor job, as :func:`_load`.
+
+    On a worker even uncompressed: the checksum reads every byte (NOTE [ Record integrity ]).
+    """
+    frame = codec.encode(span, config.compression, config.compression_level, alloc)
+    meta = codec.parse_header(frame.header)  # before the write: a bad frame leaves nothing
+    footprint = backend.write(key, [frame.header, frame.payload])
+    return Record(frame.header, meta, footprint)
+
+
+def _load(
+    backend: Backend[Any], key: int, record: Record, alloc: codec.Alloc | None
+) -> torch.Tensor:
+    """Read ``key``'s record into memory from ``alloc`` and decode it, checking every byte."""
+    header = bytearray(len(record.header))
+    payload = codec.payload_tensor(record.meta, alloc)
+    where = f"entry {key} on the disk tier ({backend.name} backend, {backend.path})"
+    try:
+        backend.read_into(key, [memoryview(header), codec.byte_view(payload)])
+    except OSError as exc:  # the backends wrap theirs; this is for any that slips through
+        raise TierstoreError(f"tierstore: reading {where} failed: {exc}. {_LOST}") from exc
+    if header != record.header:
+        raise CorruptDataError(
+            f"tierstore: {where} came back with another header: its bytes were changed "
+            f"after they were written. {_LOST}"
+        )
+    try:
+        return codec.decode(record.meta, payload, alloc)
+    except CorruptDataError as exc:
+        raise CorruptDataError(f"tierstore: {where} is corrupt: {quoted(exc)}. {_LOST}") from exc
+
+
 async def _cancel_all() -> None:
     tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-
-
-@dataclass(frozen=True)
-class HostCopy:
-    """A span's bytes in host memory, and the copy that fills them (NOTE [ Copies on CUDA ]).
-
-    ``ready`` is ``None`` when the bytes are there already (always on CPU);
-    otherwise the event of the D2H copy. ``block`` is the pool block holding
-    them, to be given back with :meth:`Pipeline.free_host`.
-
-    Example:
-        >>> import torch
-        >>> from tierstore import TierConfig
-        >>> from tierstore.pipeline import Pipeline
-        >>> copy = Pipeline(TierConfig(disk_budget=0)).host_copy(torch.ones(2))
-        >>> copy.ready is None and copy.block is None
-        True
-    """
-
-    tensor: torch.Tensor
-    ready: torch.cuda.Event | None = None
-    block: HostBlock | None = None
-
-
-@dataclass(frozen=True)
-class DeviceCopy:
-    """A span copied back to its device on the h2d stream; ``ready`` is that copy's event.
-
-    Example:
-        >>> import torch
-        >>> from tierstore.pipeline import DeviceCopy
-        >>> DeviceCopy(torch.ones(2), None).ready is None
-        True
-    """
-
-    tensor: torch.Tensor
-    ready: torch.cuda.Event | None
-
-
-class _Streams:
-    """The copy streams of one CUDA device, created on first use."""
-
-    __slots__ = ("d2h", "h2d")
-
-    def __init__(self, device: torch.device) -> None:
-        self.d2h = torch.cuda.Stream(device)
-        self.h2d = torch.cuda.Stream(device)
 
 
 @dataclass(frozen=True)
@@ -186,7 +156,7 @@ class Record:
 
 
 class Pipeline:
-    """Moves spans between the device, host memory and the disk backend.
+    """Moves spans between host memory and the disk backend.
 
     Owns the disk backend and the I/O threads, all created on first use (a
     store that never spills starts no thread and touches no disk) and
@@ -196,9 +166,9 @@ class Pipeline:
         >>> import torch
         >>> from tierstore import TierConfig
         >>> from tierstore.pipeline import Pipeline
-        >>> pipe = Pipeline(TierConfig(disk_budget=0))
-        >>> pipe.host_copy(torch.ones(2)).tensor.device
-        device(type='cpu')
+        >>> pipe = Pipeline(TierConfig(disk_budget="1MiB"))
+        >>> pipe.footprint_bound(10) >= 10
+        True
         >>> pipe.close()
     """
 
@@ -211,11 +181,6 @@ class Pipeline:
         self._start_lock = threading.Lock()
         self._closed = False
         self._death: BaseException | None = None
-        # CUDA only (NOTE [ Copies on CUDA ]): the pinned pool, the copy
-        # streams per device, and pool blocks waiting for their copies to end.
-        self._pool: HostPool | None = None
-        self._streams: dict[torch.device, _Streams] = {}
-        self._returns: deque[tuple[list[torch.cuda.Event], HostBlock]] = deque()
 
     # -- resources -------------------------------------------------------------
 
@@ -307,14 +272,6 @@ class Pipeline:
             self._closed = True
             loop, thread, executor = self._loop, self._thread, self._executor
             backend, self._backend = self._backend, None
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            # Copies still using a block would read or write freed memory.
-            for events, _ in self._returns:
-                for event in events:
-                    event.synchronize()
-            self._returns.clear()
-            pool.close()
         if loop is not None and thread is not None and executor is not None:
             # Cancel what is still queued (a read waiting for a write, say), let
             # the cancellations run, then stop; started syscalls finish first.
@@ -331,115 +288,6 @@ class Pipeline:
             loop.close()
         if backend is not None:
             backend.close()
-
-    # -- host <-> device (NOTE [ Copies on CUDA ]) -----------------------------------
-
-    @property
-    def pool_if_open(self) -> HostPool | None:
-        """The host pool if a CUDA copy has created it, else ``None``."""
-        return self._pool
-
-    def _streams_of(self, device: torch.device) -> _Streams:
-        streams = self._streams.get(device)
-        if streams is None:
-            streams = self._streams[device] = _Streams(device)
-        return streams
-
-    def host_copy(self, span: torch.Tensor) -> HostCopy:
-        """Start copying a span to host memory; on CPU the span itself is the copy.
-
-        Called with the tier manager's lock held (the pool and the list of
-        blocks to give back have no lock of their own beyond the pool's).
-        """
-        if span.device.type == "cpu":
-            return HostCopy(span)
-        if span.device.type != "cuda":  # other accelerators: a plain synchronous copy
-            return HostCopy(span.to("cpu"))
-        self.reclaim()
-        nbytes = span.numel() * span.element_size()
-        block = self._host_pool().take(nbytes)
-        if block is not None:
-            host = block.tensor.view(span.dtype).view(span.shape)
-        else:
-            host = torch.empty(span.shape, dtype=span.dtype, pin_memory=self._config.pin_memory)
-        streams = self._streams_of(span.device)
-        producer = torch.cuda.current_stream(span.device)  # at call time, never cached
-        with torch.profiler.record_function("tierstore::d2h"):
-            streams.d2h.wait_stream(producer)
-            with torch.cuda.stream(streams.d2h):
-                host.copy_(span, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(streams.d2h)
-        return HostCopy(host, ready, block)
-
-    def _host_pool(self) -> HostPool:
-        if self._pool is None:
-            with self._start_lock:
-                if self._closed:
-                    raise StoreClosedError("tierstore: this store is closed; its host pool is gone")
-                # Queued disk writes hold blocks too, beyond the host tier's own.
-                self._pool = HostPool(
-                    int(self._config.host_budget) + int(self._config.write_queue_bytes),
-                    int(self._config.host_pool_step),
-                    pin=self._config.pin_memory,
-                )
-        return self._pool
-
-    def device_copy(
-        self, span: torch.Tensor, device: torch.device, after: torch.cuda.Event | None = None
-    ) -> DeviceCopy:
-        """Start copying a host span to ``device``; ``after``: the D2H that fills ``span``.
-
-        On CPU (or when the span is already there) no copy is made.
-        """
-        if span.device == device:
-            return DeviceCopy(span, None)
-        if device.type != "cuda":
-            return DeviceCopy(span.to(device), None)
-        streams = self._streams_of(device)
-        consumer = torch.cuda.current_stream(device)
-        with torch.profiler.record_function("tierstore::h2d"):
-            out = torch.empty(span.shape, dtype=span.dtype, device=device)  # consumer's pool
-            streams.h2d.wait_stream(consumer)
-            if after is not None:
-                streams.h2d.wait_event(after)
-            with torch.cuda.stream(streams.h2d):
-                out.copy_(span, non_blocking=span.is_pinned())
-                ready = torch.cuda.Event()
-                ready.record(streams.h2d)
-        return DeviceCopy(out, ready)
-
-    @staticmethod
-    def consume(copy: DeviceCopy) -> torch.Tensor:
-        """The copied tensor, usable on the current stream (which waits for the copy)."""
-        if copy.ready is not None:
-            torch.cuda.current_stream(copy.tensor.device).wait_event(copy.ready)
-        return copy.tensor
-
-    @staticmethod
-    def done(event: torch.cuda.Event | None) -> bool:
-        """Whether a copy's event has completed (``None``: there was nothing to wait for)."""
-        return event is None or event.query()
-
-    def free_host(self, block: HostBlock | None) -> None:
-        """Give a pool block back once the copies issued so far have ended."""
-        if block is None:
-            return
-        events = []
-        for streams in self._streams.values():
-            for stream in (streams.d2h, streams.h2d):
-                event = torch.cuda.Event()
-                event.record(stream)
-                events.append(event)
-        self._returns.append((events, block))
-
-    def reclaim(self) -> None:
-        """Give back the pool blocks whose copies have all ended (cheap when none wait)."""
-        pool = self._pool
-        while self._returns and all(e.query() for e in self._returns[0][0]):
-            _, block = self._returns.popleft()
-            if pool is not None:
-                pool.give(block)
 
     # -- host <-> disk -------------------------------------------------------------
 
@@ -460,48 +308,58 @@ class Pipeline:
         span: torch.Tensor,
         done: Callable[[concurrent.futures.Future[Record]], None] | None = None,
         ready: torch.cuda.Event | None = None,
+        alloc: codec.Alloc | None = None,
     ) -> concurrent.futures.Future[Record]:
         """Encode ``span`` and write it under ``key`` in the background.
 
         ``span`` must stay unchanged until the future is done. ``done``, if
         given, runs on the I/O thread when the write ends; it must not block.
         ``ready``: the D2H copy that fills ``span``; the write waits for it.
+        ``alloc``: where compression's scratch goes (the heap if ``None``).
         """
         loop = self._running_loop()  # first: it may raise, and then no coroutine is made
-        future = asyncio.run_coroutine_threadsafe(self._write(key, span, ready), loop)
+        future = asyncio.run_coroutine_threadsafe(self._write(key, span, ready, alloc), loop)
         if done is not None:
             future.add_done_callback(done)
         return future
 
     def submit_read(
-        self, key: int, record: Record | concurrent.futures.Future[Record]
+        self,
+        key: int,
+        record: Record | concurrent.futures.Future[Record],
+        alloc: codec.Alloc | None = None,
     ) -> concurrent.futures.Future[torch.Tensor]:
         """Read the span written under ``key`` back into a new CPU tensor, in the background.
 
         ``record`` may be the future of a write still under way: the read then
-        starts when the write ends.
+        starts when the write ends. ``alloc(nbytes)`` gives the memory it
+        lands in (the heap if ``None``).
         """
         loop = self._running_loop()  # first: it may raise, and then no coroutine is made
-        return asyncio.run_coroutine_threadsafe(self._read(key, record), loop)
+        return asyncio.run_coroutine_threadsafe(self._read(key, record, alloc), loop)
 
     def delete(self, key: int) -> None:
         """Free the disk record under ``key`` (on the caller's thread: it is bookkeeping)."""
         self._backend_or_open().delete(key)
 
-    async def _write(self, key: int, span: torch.Tensor, ready: torch.cuda.Event | None) -> Record:
+    async def _write(
+        self,
+        key: int,
+        span: torch.Tensor,
+        ready: torch.cuda.Event | None,
+        alloc: codec.Alloc | None,
+    ) -> Record:
         backend = self._backend_or_open()
         if ready is not None:  # NOTE [ Copies on CUDA ]: the bytes are still arriving
             await _blocking(ready.synchronize)
-        # On a worker even uncompressed: the checksum reads every byte (NOTE [ Record integrity ]).
-        frame = await _blocking(
-            codec.encode, span, self._config.compression, self._config.compression_level
-        )
-        meta = codec.parse_header(frame.header)  # before the write: a bad frame leaves nothing
-        footprint = await _blocking(backend.write, key, [frame.header, frame.payload])
-        return Record(frame.header, meta, footprint)
+        record: Record = await _blocking(_store, backend, key, span, self._config, alloc)
+        return record
 
     async def _read(
-        self, key: int, record: Record | concurrent.futures.Future[Record]
+        self,
+        key: int,
+        record: Record | concurrent.futures.Future[Record],
+        alloc: codec.Alloc | None,
     ) -> torch.Tensor:
         if isinstance(record, concurrent.futures.Future):
             # Shielded: cancelling this read must not cancel the write it
@@ -514,22 +372,7 @@ class Pipeline:
             written.add_done_callback(_seen)
             record = await asyncio.shield(written)
         backend = self._backend_or_open()
-        header = bytearray(len(record.header))
-        payload = codec.payload_tensor(record.meta)
-        where = f"entry {key} on the disk tier ({backend.name} backend, {backend.path})"
-        try:
-            await _blocking(backend.read_into, key, [memoryview(header), codec.byte_view(payload)])
-        except OSError as exc:  # the backends wrap theirs; this is for any that slips through
-            raise TierstoreError(f"tierstore: reading {where} failed: {exc}. {_LOST}") from exc
-        if header != record.header:
-            raise CorruptDataError(
-                f"tierstore: {where} came back with another header: its bytes were changed "
-                f"after they were written. {_LOST}"
-            )
-        try:
-            span: torch.Tensor = await _blocking(codec.decode, record.meta, payload)
-        except CorruptDataError as exc:
-            raise CorruptDataError(
-                f"tierstore: {where} is corrupt: {quoted(exc)}. {_LOST}"
-            ) from exc
+        # One executor job reads and checks: a read's decode queued behind the
+        # reads ahead of it would make backward wait for those too.
+        span: torch.Tensor = await _blocking(_load, backend, key, record, alloc)
         return span

@@ -76,7 +76,21 @@ class Stats:
         failed_writes: disk writes that failed. None loses data: a live
             entry stays in host memory, and one released before its write
             ended needs nothing (NOTE [ Failed writes ] in
-            ``tierstore/store.py``).
+            ``tierstore/writebehind.py``).
+        prefetch_window_bytes: bytes backward may read ahead now: the
+            window learnt from stalls, at most ``prefetch_bytes``
+            (NOTE [ In-flight sizing ] in ``tierstore/sizing.py``).
+        prefetch_stalls: unpacks that waited for a read (other than the
+            first of a backward), each of which grew the window.
+        write_queue_limit_bytes: bytes forward may queue for the disk now,
+            learnt the same way, at most ``write_queue_bytes``.
+        pack_waits: saves that found the queue over its limit and waited,
+            each of which grew it.
+        buffer_bytes_in_use: on a CPU, bytes of tierstore's own buffers
+            (disk reads not yet dropped by autograd, write staging) out of
+            its pool now.
+        buffer_misses: buffers that found the pool full and came from the
+            heap.
 
     Example:
         >>> import torch, tierstore
@@ -104,6 +118,12 @@ class Stats:
     host_pool_misses: int = 0
     disk_io: str | None = None
     failed_writes: int = 0
+    prefetch_window_bytes: int = 0
+    prefetch_stalls: int = 0
+    write_queue_limit_bytes: int = 0
+    pack_waits: int = 0
+    buffer_bytes_in_use: int = 0
+    buffer_misses: int = 0
 
     @property
     def prefetch_hit_rate(self) -> float | None:

@@ -1,9 +1,12 @@
-"""The tier manager: budgets, placement, demotion and deduplication.
+"""The tier manager: budgets, placement, demotion, deduplication, the version check, release.
 
 It knows tensors and budgets, not autograd: :meth:`TierManager.put` takes a
 tensor and returns a :class:`~tierstore.handle.Handle`, :meth:`TierManager.get`
 gives the tensor back. The autograd boundary (``tierstore.hooks``) decides
-which tensors to hand it.
+which tensors to hand it. What is in flight has a module each, called under
+this manager's lock: ``readahead`` (the prefetch window), ``writebehind``
+(the disk write queue) and ``transfers`` (host buffers and CUDA copies);
+``pipeline`` moves bytes to and from the disk.
 
 Example:
     >>> import torch
@@ -24,33 +27,27 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import heapq
 import itertools
 import threading
 import time
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tierstore import codec
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
-from tierstore.errors import (
-    DISK_HINT,
-    StoreClosedError,
-    TierFullError,
-    TierstoreError,
-    TierstoreWarning,
-    quoted,
-)
+from tierstore.entry import Entry, TierState
+from tierstore.errors import StoreClosedError, TierFullError, TierstoreError
 from tierstore.handle import Handle
-from tierstore.pipeline import DeviceCopy, HostBlock, Pipeline, Record
+from tierstore.pipeline import Pipeline
+from tierstore.readahead import ReadAhead
 from tierstore.schedule import Schedule
 from tierstore.stats import TIERS, Stats, Tier, TierStats
+from tierstore.transfers import Transfers
+from tierstore.writebehind import WriteBehind
 
 __all__ = ["TierManager", "resting_nbytes"]
 
@@ -61,50 +58,6 @@ __all__ = ["TierManager", "resting_nbytes"]
 # newest in the fastest tier is Belady's optimal eviction for a known future.
 # An entry moves only after it has landed below: if the disk refuses it, it
 # stays where it was and the save that needed the room raises TierFullError.
-
-# NOTE [ Write-behind ]
-# Pack never waits for the disk. An entry demoted to disk first reserves the
-# most disk it can take (Pipeline.footprint_bound) and is queued; it keeps its
-# in-memory span until the write ends, and an unpack in the meantime is served
-# from that span. The write's done-callback, on the I/O thread, only sets
-# entry.record and then drops entry.tensor (in that order, so a reader that
-# finds no tensor finds the record); everything else (the real footprint,
-# releasing an entry that died while being written, failures) is settled by
-# _harvest under the lock at the next call. Backpressure: while more than
-# write_queue_bytes are queued, put() waits, with the lock released, for the
-# oldest write; the wait is counted in stats().pack_wait_s. A failed write
-# loses nothing: NOTE [ Failed writes ].
-
-# NOTE [ Failed writes ]
-# A write that fails (ENOSPC, EIO, a full LMDB map) has put nothing on the
-# disk, and its bytes are still in entry.tensor, so the entry moves to the host
-# tier, where it can be read as any host entry. The host memory the settings
-# allow is host_budget plus write_queue_bytes (the bytes queued for the disk
-# are held in host memory too; the pinned pool is sized the same way). While
-# the host entries and the queue still fit in that, the step goes on: the
-# store warns once (TierstoreWarning) and counts every failure in
-# stats().failed_writes. Past it, the error is raised by the next put() or
-# get() (with the original as __cause__): the user asked for host memory to
-# stay within those settings, and only they can choose between more room and
-# a healthier disk. A write can also end after backward has used and released
-# its entry (writes run behind; a read is served from the span meanwhile):
-# nothing is lost then, but the disk is still failing, so that failure warns
-# too when it is the first. The warning is issued by whichever call settles
-# the write; flush() settles them all. Once a failure has been raised, the
-# user has heard: later ones are only counted.
-# A failed read cannot be worked around, the disk held the only copy: get()
-# raises (a TierstoreError, or CorruptDataError for wrong bytes) and the
-# entry stays where it is, so a retry after a transient error may succeed.
-
-# NOTE [ Prefetch ]
-# Backward asks for entries in the order the Schedule predicts (recorded from
-# the last step, else reverse pack order). Each get() tops up a window of
-# reads in flight, at most prefetch_bytes, and then waits, outside the lock,
-# only for the entry it needs. A read of an entry whose write is still under
-# way is chained after that write. An entry found in the window, still in
-# memory, or already read for another handle is a hit; one that must be read
-# on demand is a miss. The first unpack of a backward whose entries are all
-# on disk is always a miss: nothing says when forward has ended.
 
 # NOTE [ Version check ]
 # Eager autograd raises at backward if a saved tensor was modified in place.
@@ -143,118 +96,12 @@ def resting_nbytes(t: torch.Tensor) -> int:
     return n
 
 
-class _Entry:
-    """One stored tensor and where its bytes rest now."""
-
-    __slots__ = (
-        "block",
-        "dedupe_key",
-        "device",
-        "footprint",
-        "held",
-        "key",
-        "layout",
-        "loaded",
-        "nbytes",
-        "probe",
-        "ready",
-        "record",
-        "refs",
-        "source",
-        "stale",
-        "tensor",
-        "tier",
-        "version",
-        "writing",
-    )
-
-    def __init__(self, key: int, t: torch.Tensor, nbytes: int) -> None:
-        self.key = key
-        self.nbytes = nbytes
-        self.device = t.device
-        self.tier: Tier | None = None
-        # Resting form: the tensor itself (device tier), a span + layout
-        # (host tier), or a disk record.
-        self.tensor: torch.Tensor | None = t
-        self.layout: codec.Layout | None = None
-        self.record: Record | None = None
-        self.footprint = 0
-        # NOTE [ Version check ]: a tensor sharing the saved tensor's version
-        # counter, kept while our bytes alias the caller's memory; when we
-        # copy them, a version other than the one at pack marks the entry
-        # stale, since the copy then holds the modified values.
-        self.probe: torch.Tensor | None = t
-        self.version = t._version
-        self.stale: int | None = None
-        # The last tensor read from disk: weakly, or strongly while other
-        # handles of a deduplicated entry still need it (as eager autograd
-        # keeps one saved tensor for every node that saved it).
-        self.loaded: weakref.ref[torch.Tensor] | None = None
-        self.held: torch.Tensor | None = None
-        self.dedupe_key: tuple[object, ...] | None = None
-        self.writing: concurrent.futures.Future[Record] | None = None
-        # CUDA (NOTE [ Copies on CUDA ] in pipeline.py): the D2H copy filling
-        # self.tensor while it runs, and the pool block self.tensor lives in.
-        self.ready: torch.cuda.Event | None = None
-        self.source: torch.Tensor | None = None  # what that copy reads (a compact temp, say)
-        self.block: HostBlock | None = None
-        self.refs = 1
-
-    def let_go_of_original(self) -> None:
-        """Drop the probe once our bytes are a copy (NOTE [ Version check ])."""
-        probe = self.probe
-        if probe is not None and probe._version != self.version and self.stale is None:
-            self.stale = probe._version
-        self.probe = None
-
-    def span(self) -> tuple[torch.Tensor, codec.Layout]:
-        assert self.tensor is not None
-        if self.layout is None:
-            return codec.to_span(self.tensor)
-        return self.tensor, self.layout
-
-
-@dataclass
-class _TierState:
-    budget: int
-    entries: dict[int, _Entry]
-    heap: list[int]  # keys, oldest first; stale keys are skipped lazily
-    bytes: int = 0
-    peak: int = 0
-    written: int = 0
-    read: int = 0
-
-    def size_of(self, entry: _Entry, tier: Tier) -> int:
-        return entry.footprint if tier == "disk" else entry.nbytes
-
-    def oldest(self) -> _Entry | None:
-        while self.heap:
-            entry = self.entries.get(self.heap[0])
-            if entry is not None:
-                return entry
-            heapq.heappop(self.heap)
-        return None
-
-    def add(self, entry: _Entry, size: int) -> None:
-        self.entries[entry.key] = entry
-        heapq.heappush(self.heap, entry.key)
-        self.bytes += size
-        self.written += size
-        self.peak = max(self.peak, self.bytes)
-
-    def remove(self, entry: _Entry, size: int) -> None:
-        del self.entries[entry.key]
-        self.bytes -= size
-        if len(self.heap) > 2 * len(self.entries) + 64:
-            # Released entries leave stale keys behind; rebuild before they pile up.
-            self.heap = sorted(self.entries)
-
-
 class TierManager:
     """Places tensors in the device, host and disk tiers within their budgets.
 
-    Thread-safe. Owns a :class:`~tierstore.pipeline.Pipeline` (and through it
-    the disk backend); :meth:`close` releases everything and is idempotent.
+    Thread-safe. Owns the movers (:class:`~tierstore.pipeline.Pipeline`, and
+    through it the disk backend) and the transfers (host buffers, CUDA
+    copies); :meth:`close` releases everything and is idempotent.
 
     Example:
         >>> import tempfile, torch
@@ -275,40 +122,28 @@ class TierManager:
         self.config = config
         self._lock = threading.Lock()
         self._pending: deque[int] = deque()
-        self._tiers: dict[Tier, _TierState] = {
-            "device": _TierState(int(config.device_budget), {}, []),
-            "host": _TierState(int(config.host_budget), {}, []),
-            "disk": _TierState(int(config.disk_budget), {}, []),
+        self._tiers: dict[Tier, TierState] = {
+            "device": TierState(int(config.device_budget), {}, []),
+            "host": TierState(int(config.host_budget), {}, []),
+            "disk": TierState(int(config.disk_budget), {}, []),
         }
-        self._entries: dict[int, _Entry] = {}
+        self._entries: dict[int, Entry] = {}
         self._dedupe: dict[tuple[object, ...], tuple[weakref.ref[object], int]] = {}
         self._keys = itertools.count()
         self._pipeline = Pipeline(config)
-        # Stops the I/O threads even if the store is dropped without close().
-        self._finalizer = weakref.finalize(self, Pipeline.close, self._pipeline)
+        self._transfers = Transfers(config)
+        # Stops the I/O threads and frees host memory even if the store is
+        # dropped without close().
+        self._finalizer = weakref.finalize(self, _close_movers, self._pipeline, self._transfers)
         self._schedule = Schedule()
-        self._writing: dict[int, _Entry] = {}  # NOTE [ Write-behind ]
-        self._queued_bytes = 0
-        # The first failed write past the host room, and its entry's key.
-        self._failure: tuple[BaseException, int] | None = None
-        self._failed_writes = 0
-        self._warned_write = False
-        # Reads ahead: disk reads (futures) and, on CUDA, H2D copies of host entries.
-        self._window: dict[int, tuple[concurrent.futures.Future[torch.Tensor] | DeviceCopy, int]]
-        self._window = {}
-        self._copying: deque[_Entry] = deque()  # D2H copies under way, oldest first
-        self._copying_bytes = 0
-        self._window_bytes = 0
-        self._demand: dict[int, concurrent.futures.Future[torch.Tensor]] = {}
+        self._reads = ReadAhead(config, self._pipeline, self._transfers, self._tiers["disk"])
+        self._writes = WriteBehind(
+            config, self._pipeline, self._transfers, self._tiers, self._entries
+        )
         self._packed = 0
         self._deduplicated = 0
         self._kept = 0
         self._kept_bytes = 0
-        self._hits = 0
-        self._misses = 0
-        self._prefetched_bytes = 0
-        self._unpack_wait = 0.0
-        self._pack_wait = 0.0
         self._closed = False
 
     # -- public --------------------------------------------------------------
@@ -333,30 +168,19 @@ class TierManager:
         """
         with self._locked():
             self.check_open()
-            self._raise_failure()
+            self._writes.raise_failure()
             self._packed += 1
+            dedupe_key = _dedupe_key(t)
             storage = t.untyped_storage()
-            dedupe_key = (
-                storage.data_ptr(),
-                t.storage_offset(),
-                tuple(t.shape),
-                tuple(t.stride()),
-                t.dtype,
-                t.device,
-                t._version,
-            )
-            hit = self._dedupe.get(dedupe_key)
-            # The weak reference proves it is the same storage, not a new one
-            # that happens to sit at a freed address.
-            if hit is not None and hit[0]() is storage:
-                entry = self._entries[hit[1]]
-                entry.refs += 1
-                self._deduplicated += 1
+            entry = self._deduplicated_entry(dedupe_key, storage)
+            if entry is not None:
                 return self._handle(entry, t)
-            self._wait_for_queue()
+            if self._schedule.unpacking:
+                self._step_started()
+            self._make_room_in_flight()
             self.check_open()  # closed by another thread while this one waited
             size = resting_nbytes(t) if nbytes is None else nbytes
-            entry = _Entry(next(self._keys), t.detach(), size)
+            entry = Entry(next(self._keys), t.detach(), size)
             self._land(entry, 0)
             self._entries[entry.key] = entry
             self._schedule.packed(entry.key, (dedupe_key[2], t.dtype))
@@ -364,6 +188,24 @@ class TierManager:
                 self._dedupe[dedupe_key] = (weakref.ref(storage), entry.key)
                 entry.dedupe_key = dedupe_key
             return self._handle(entry, t)
+
+    def _deduplicated_entry(self, dedupe_key: tuple[Any, ...], storage: object) -> Entry | None:
+        """The live entry already holding this storage, view and version, with one more ref."""
+        hit = self._dedupe.get(dedupe_key)
+        # The weak reference proves it is the same storage, not a new one
+        # that happens to sit at a freed address.
+        if hit is None or hit[0]() is not storage:
+            return None
+        entry = self._entries[hit[1]]
+        entry.refs += 1
+        self._deduplicated += 1
+        return entry
+
+    def _step_started(self) -> None:
+        """The first new save after a backward: the in-flight limits learn from that step."""
+        self._reads.limit.step_started()
+        self._writes.limit.step_started()
+        self._transfers.trim()
 
     def get(self, handle: Handle) -> torch.Tensor:
         """The tensor ``handle`` refers to, on its original device, shape and strides.
@@ -376,75 +218,40 @@ class TierManager:
         """
         with self._locked():
             self.check_open()
-            self._raise_failure()
+            self._writes.raise_failure()
             entry = self._entries[handle.key]
-            aliases = (entry.probe, *handle.sources())
-            versions = [entry.stale, *(a._version for a in aliases if a is not None)]
-            for version in versions:
-                if version is not None and version != handle.version:
-                    raise TierstoreError(
-                        "tierstore: one of the variables needed for gradient computation has "
-                        "been modified by an inplace operation: a saved tensor of shape "
-                        f"{list(handle.shape)} and dtype {handle.dtype} is at version "
-                        f"{version}; expected version {handle.version} instead. "
-                        "Hint: clone the tensor before modifying it in place, or "
-                        "modify it before it is saved"
-                    )
+            self._check_version(entry, handle)
+            first = not self._schedule.unpacking
             self._schedule.unpacked(entry.key)
-            tier = entry.tier
-            if tier == "device":
+            if entry.tier == "device":
                 assert entry.tensor is not None
                 return entry.tensor
-            if tier == "host":
+            if entry.tier == "host":
                 span, layout = entry.span()
                 self._tiers["host"].read += entry.nbytes
                 if span.device == entry.device:  # CPU: the host tier is the device's memory
-                    return codec.from_span(span, layout)
-                return self._copy_back(entry, span, layout)
-            # Disk: NOTE [ Prefetch ].
-            cached = entry.held
-            if cached is None and entry.loaded is not None:
-                cached = entry.loaded()
-            in_memory = entry.tensor  # still being written: NOTE [ Write-behind ]
-            assert entry.layout is not None
-            layout = entry.layout
-            ahead = self._window.pop(entry.key, None)
-            if ahead is not None:
-                self._window_bytes -= ahead[1]
-            if cached is not None or in_memory is not None:
-                if ahead is not None:
-                    self._drop_ahead(ahead[0])
-                self._hits += 1
-                self._top_up_window()
-                if cached is not None:
-                    return cached
-                assert in_memory is not None
-                copy = self._pipeline.device_copy(in_memory, entry.device, entry.ready)
-                return codec.from_span(self._pipeline.consume(copy), layout)
-            if ahead is not None:
-                assert not isinstance(ahead[0], DeviceCopy)
-                self._hits += 1
-                future = ahead[0]
-            else:
-                self._misses += 1
-                source = entry.record if entry.record is not None else entry.writing
-                assert source is not None
-                future = self._pipeline.submit_read(entry.key, source)
-                self._demand[entry.key] = future
-            self._tiers["disk"].read += entry.footprint
-            self._top_up_window()
-        start = time.perf_counter()
-        try:
-            with torch.profiler.record_function("tierstore::unpack_wait"):
-                self._pipeline.wait([future])  # outside the lock: NOTE [ Movers ]
-                span = future.result()  # close() waits for reads under way: never cancelled
-        finally:
-            waited = time.perf_counter() - start
-            with self._lock:
-                self._unpack_wait += waited
-                self._demand.pop(entry.key, None)
-        copy = self._pipeline.device_copy(span, entry.device)
-        return self._remember(entry, codec.from_span(self._pipeline.consume(copy), layout))
+                    return codec.from_span(span, layout, self._transfers.allocator(span.device))
+                return self._reads.from_host(entry, span, layout, self._schedule, self._entries)
+            got = self._reads.from_disk(entry, self._schedule, self._entries, first=first)
+        if isinstance(got, torch.Tensor):
+            return got
+        return self._reads.finish(entry, got, self._lock)  # waits outside the lock
+
+    @staticmethod
+    def _check_version(entry: Entry, handle: Handle) -> None:
+        """Raise as eager autograd would if the saved tensor changed (NOTE [ Version check ])."""
+        aliases = (entry.probe, *handle.sources())
+        versions = [entry.stale, *(a._version for a in aliases if a is not None)]
+        for version in versions:
+            if version is not None and version != handle.version:
+                raise TierstoreError(
+                    "tierstore: one of the variables needed for gradient computation has "
+                    "been modified by an inplace operation: a saved tensor of shape "
+                    f"{list(handle.shape)} and dtype {handle.dtype} is at version "
+                    f"{version}; expected version {handle.version} instead. "
+                    "Hint: clone the tensor before modifying it in place, or "
+                    "modify it before it is saved"
+                )
 
     def count_kept(self, nbytes: int) -> None:
         """Count a saved tensor the caller left on the device."""
@@ -463,9 +270,11 @@ class TierManager:
         """
         with self._locked():
             self.check_open()
-            self._wait_for([e.writing for k, e in self._writing.items() if k not in self._entries])
-            pool = self._pipeline.pool_if_open
+            self._writes.wait(self._writes.futures(dead_only=True), self._unlocked)
+            pinned = self._transfers.pinned_pool_if_open
+            buffers = self._transfers.buffers_if_open
             backend = self._pipeline.backend_if_open
+            reads, writes = self._reads, self._writes
             return Stats(
                 tiers={
                     name: TierStats(
@@ -481,22 +290,28 @@ class TierManager:
                 deduplicated=self._deduplicated,
                 kept=self._kept,
                 kept_bytes=self._kept_bytes,
-                prefetch_hits=self._hits,
-                prefetch_misses=self._misses,
-                bytes_prefetched=self._prefetched_bytes,
-                unpack_wait_s=self._unpack_wait,
-                pack_wait_s=self._pack_wait,
-                host_pool_bytes=pool.reserved_bytes if pool is not None else 0,
-                host_pool_misses=pool.allocations_outside if pool is not None else 0,
+                prefetch_hits=reads.hits,
+                prefetch_misses=reads.misses,
+                bytes_prefetched=reads.prefetched_bytes,
+                unpack_wait_s=reads.unpack_wait_s,
+                pack_wait_s=writes.pack_wait_s,
+                host_pool_bytes=pinned.reserved_bytes if pinned is not None else 0,
+                host_pool_misses=pinned.allocations_outside if pinned is not None else 0,
                 disk_io=backend.io_path if backend is not None else None,
-                failed_writes=self._failed_writes,
+                failed_writes=writes.failed_writes,
+                prefetch_window_bytes=reads.limit.bytes,
+                prefetch_stalls=reads.limit.stalls,
+                write_queue_limit_bytes=writes.limit.bytes,
+                pack_waits=writes.limit.stalls,
+                buffer_bytes_in_use=buffers.used_bytes if buffers is not None else 0,
+                buffer_misses=buffers.allocations_outside if buffers is not None else 0,
             )
 
     def flush(self) -> None:
         """Wait until every queued disk write has ended (and raise if one failed)."""
         with self._locked():
-            self._wait_for([e.writing for e in self._writing.values()])
-            self._raise_failure()
+            self._writes.wait(self._writes.futures(), self._unlocked)
+            self._writes.raise_failure()
 
     @property
     def disk_directory(self) -> str | None:
@@ -510,19 +325,9 @@ class TierManager:
             if self._closed:
                 return
             self._closed = True
-            futures: list[concurrent.futures.Future[Any]] = [
-                e.writing for e in self._writing.values() if e.writing is not None
-            ]
-            futures += [f for f, _ in self._window.values() if not isinstance(f, DeviceCopy)]
-            futures += list(self._demand.values())
-            for ahead, _ in self._window.values():  # copies into device memory about to be freed
-                if isinstance(ahead, DeviceCopy) and ahead.ready is not None:
-                    ahead.ready.synchronize()
-            for entry in self._copying:  # copies into host memory about to be freed
-                if entry.ready is not None:
-                    entry.ready.synchronize()
-            self._copying.clear()
-            self._copying_bytes = 0
+            futures: list[concurrent.futures.Future[Any]] = list(self._writes.futures())
+            futures += self._reads.in_flight()
+            self._reads.close()
         # Requests under way end first (their callbacks take no lock); then the
         # threads stop and the backend and its directory go. With a dead I/O
         # thread they never end (NOTE [ A dead I/O thread ]): close anyway.
@@ -532,9 +337,7 @@ class TierManager:
             self._entries.clear()
             self._dedupe.clear()
             self._pending.clear()
-            self._writing.clear()
-            self._window.clear()
-            self._demand.clear()
+            self._writes.clear()
             for state in self._tiers.values():
                 state.entries.clear()
                 state.heap.clear()
@@ -543,7 +346,7 @@ class TierManager:
 
     # -- placement (NOTE [ Placement ]) -----------------------------------------
 
-    def _land(self, entry: _Entry, start: int) -> None:
+    def _land(self, entry: Entry, start: int) -> None:
         """Rest ``entry`` in the fastest tier from ``TIERS[start]`` down that can take it."""
         for tier in TIERS[start:]:
             state = self._tiers[tier]
@@ -568,30 +371,23 @@ class TierManager:
             self._land(oldest, below)  # raises, leaving `oldest` in place, if nothing takes it
             state.remove(oldest, oldest.nbytes)
 
-    def _hold(self, entry: _Entry, tier: Tier) -> None:
+    def _hold(self, entry: Entry, tier: Tier) -> None:
         if tier == "host" and entry.layout is None:
             span, layout = entry.span()
-            self._copy_to_host(entry, span)
+            self._transfers.to_host(entry, span)
             entry.layout = layout
         entry.tier = tier
         self._tiers[tier].add(entry, entry.nbytes)
 
-    def _write_disk(self, entry: _Entry) -> None:
+    def _write_disk(self, entry: Entry) -> None:
         self._pipeline.check_alive()  # before anything changes: a dead thread writes nothing
         state = self._tiers["disk"]
-        ahead = self._window.pop(entry.key, None)  # a copy back from the host tier
-        if ahead is not None:
-            self._window_bytes -= ahead[1]
-            self._drop_ahead(ahead[0])
-        span, layout = entry.span()
+        self._reads.drop(entry.key)  # a copy back from the host tier
         reserve = self._pipeline.footprint_bound(entry.nbytes)
-        if state.bytes + reserve > state.budget and self._writing:
+        if state.bytes + reserve > state.budget and self._writes:
             # Writes in flight hold reservations, and dead entries' writes hold
             # space they will give back: settle them before calling it full.
-            # The lock stays held (we are mid-placement); write callbacks never
-            # take it, so this cannot deadlock.
-            self._pipeline.wait([e.writing for e in self._writing.values()])
-            self._harvest()
+            self._writes.wait_all_locked()
         if state.bytes + reserve > state.budget:
             raise TierFullError(
                 f"tierstore: the disk tier is full: {human_bytes(state.bytes)} of "
@@ -599,116 +395,27 @@ class TierManager:
                 f"{human_bytes(entry.nbytes)} needs {human_bytes(reserve)} more; raise "
                 f"disk_budget ({ENV_PREFIX}DISK_BUDGET)"
             )
-        self._copy_to_host(entry, span)
+        if entry.layout is None:  # from the device tier: a view may need a dense copy
+            assert entry.tensor is not None
+            span, layout = codec.to_span(entry.tensor, self._transfers.allocator(entry.device))
+        else:
+            span, layout = entry.span()
+        self._transfers.to_host(entry, span)
         entry.layout = layout
         entry.tier = "disk"
         entry.footprint = reserve
-        state.add(entry, reserve)
-        self._writing[entry.key] = entry
-        self._queued_bytes += entry.nbytes
+        state.add(entry, reserve, written=False)  # NOTE [ Write-behind ]: counted when written
+        self._writes.submit(entry)
 
-        def written(future: concurrent.futures.Future[Record]) -> None:
-            # On the I/O thread, without the lock: assignments only.
-            if not future.cancelled() and future.exception() is None:
-                entry.record = future.result()
-                entry.let_go_of_original()
-                entry.tensor = None  # the memory goes now, not at the next call
-
-        assert entry.tensor is not None
-        entry.writing = self._pipeline.submit_write(entry.key, entry.tensor, written, entry.ready)
-
-    def _copy_to_host(self, entry: _Entry, span: torch.Tensor) -> None:
-        """Rest ``entry``'s bytes in host memory: a copy off the device, or the span itself."""
-        copy = self._pipeline.host_copy(span)
-        if copy.tensor is span:
-            entry.tensor = span  # already host memory (CPU, or an entry on the host tier)
-            return
-        entry.tensor, entry.block = copy.tensor, copy.block
-        if copy.ready is None:
-            entry.let_go_of_original()  # a copy: later changes cannot reach it
-        else:
-            # NOTE [ Copies on CUDA ]: the source stays referenced (by the
-            # probe) until the copy has read it; _settle_copies lets go.
-            entry.ready, entry.source = copy.ready, span
-            self._copying.append(entry)
-            self._copying_bytes += entry.nbytes
-
-    def _copy_back(self, entry: _Entry, span: torch.Tensor, layout: codec.Layout) -> torch.Tensor:
-        """A host entry back on its CUDA device (NOTE [ Prefetch ]); called with the lock held."""
-        cached = entry.held
-        if cached is None and entry.loaded is not None:
-            cached = entry.loaded()
-        ahead = self._window.pop(entry.key, None)
-        if ahead is not None:
-            self._window_bytes -= ahead[1]
-        if cached is not None:
-            if ahead is not None:
-                self._drop_ahead(ahead[0])
-            self._hits += 1
-            self._top_up_window()
-            return cached
-        if isinstance(ahead, tuple) and isinstance(ahead[0], DeviceCopy):
-            self._hits += 1
-            copy = ahead[0]
-        else:
-            self._misses += 1
-            copy = self._pipeline.device_copy(span, entry.device, entry.ready)
-        # Remembered first, so that the top-up does not copy this entry again.
-        out = self._remember(entry, codec.from_span(self._pipeline.consume(copy), layout))
-        self._top_up_window()
-        return out
-
-    @staticmethod
-    def _remember(entry: _Entry, out: torch.Tensor) -> torch.Tensor:
-        """Keep what was read back for the entry's other handles (strongly if it has any)."""
-        # As eager autograd keeps one saved tensor for every node that saved it.
-        if entry.refs > 1:
-            entry.held = out
-        else:
-            entry.loaded = weakref.ref(out)
-        return out
-
-    def _settle_copies(self) -> None:
-        """Let go of sources whose D2H copies have ended; called with the lock held."""
-        while self._copying and self._pipeline.done(self._copying[0].ready):
-            entry = self._copying.popleft()
-            self._copying_bytes -= entry.nbytes
-            entry.ready = entry.source = None
-            entry.let_go_of_original()
-        self._pipeline.reclaim()
-
-    def _drop_ahead(self, ahead: concurrent.futures.Future[torch.Tensor] | DeviceCopy) -> None:
-        """Forget a read ahead that is not needed (any more)."""
-        if isinstance(ahead, DeviceCopy):
-            # Its memory belongs to the consumer's stream: let that stream wait
-            # for the copy before the allocator may hand the memory out again.
-            self._pipeline.consume(ahead)
-        else:
-            ahead.cancel()  # a read has no side effect: dropping it is safe
-
-    def _wait_for_queue(self) -> None:
-        """Backpressure (NOTE [ Write-behind ]); called with the lock held."""
-        limit = int(self.config.write_queue_bytes)
-        while self._queued_bytes > limit:
-            self._pack_wait += self._wait_for([self._writing[min(self._writing)].writing])
+    def _make_room_in_flight(self) -> None:
+        """Backpressure before a new save: the write queue, and D2H copies on CUDA."""
+        self._writes.make_room(self._unlocked)
         # D2H copies too: their sources stay on the device until copied, so a
         # forward that outruns PCIe would otherwise keep every one of them.
-        while self._copying_bytes > limit:
-            ready = self._copying[0].ready
+        while self._transfers.copying_bytes > self._writes.limit.cap_bytes:
             start = time.perf_counter()
-            if ready is not None:
-                self._unlocked(ready.synchronize)
-            self._settle_copies()
-            self._pack_wait += time.perf_counter() - start
-
-    def _wait_for(self, futures: list[concurrent.futures.Future[Record] | None]) -> float:
-        """Wait for writes with the lock released, then settle them; returns seconds waited."""
-        pending = [f for f in futures if f is not None and not f.done()]
-        start = time.perf_counter()
-        if pending:
-            self._unlocked(lambda: self._pipeline.wait(pending))
-        self._harvest()
-        return time.perf_counter() - start
+            self._transfers.wait_oldest(self._unlocked)
+            self._writes.pack_wait_s += time.perf_counter() - start
 
     def _unlocked(self, wait: Callable[[], object]) -> None:
         """Run ``wait`` with the lock released (forward waiting on copies or writes)."""
@@ -719,116 +426,7 @@ class TierManager:
         finally:
             self._lock.acquire()
 
-    def _harvest(self) -> None:
-        """Settle finished writes (NOTE [ Write-behind ]); called with the lock held."""
-        disk = self._tiers["disk"]
-        for key in [k for k, e in self._writing.items() if e.writing and e.writing.done()]:
-            entry = self._writing.pop(key)
-            future, entry.writing = entry.writing, None
-            assert future is not None
-            self._queued_bytes -= entry.nbytes
-            error = None if future.cancelled() else future.exception()
-            alive = key in self._entries
-            if future.cancelled() or error is not None:
-                # Nothing reached the disk; the bytes are still in entry.tensor.
-                disk.remove(entry, entry.footprint)
-                entry.footprint = 0
-                host = self._tiers["host"]
-                allowed = host.budget + int(self.config.write_queue_bytes)
-                # A released entry needs no room: its failure is only counted.
-                roomy = not alive or host.bytes + self._queued_bytes + entry.nbytes <= allowed
-                if alive:
-                    entry.tier = "host"
-                    host.add(entry, entry.nbytes)
-                else:
-                    self._pipeline.free_host(entry.block)
-                    entry.block = None
-                if error is not None:  # NOTE [ Failed writes ]
-                    self._failed_writes += 1
-                    if not roomy:
-                        if self._failure is None or self._failure[1] not in self._entries:
-                            self._failure = (error, key)
-                    elif not self._warned_write:
-                        self._warned_write = True
-                        warning = self._write_failed_warning(entry, error, kept=alive)
-                        warnings.warn(warning, stacklevel=2)
-                continue
-            record = future.result()
-            self._pipeline.free_host(entry.block)  # the bytes are on disk now
-            entry.block = None
-            disk.bytes += record.footprint - entry.footprint  # the reservation was a bound
-            disk.written += record.footprint - entry.footprint
-            entry.footprint = record.footprint
-            if not alive:  # released while it was being written
-                disk.remove(entry, entry.footprint)
-                self._pipeline.delete(key)
-
-    @staticmethod
-    def _write_failed_warning(entry: _Entry, error: BaseException, kept: bool) -> TierstoreWarning:
-        fate = (
-            "stays in host memory, within host_budget + write_queue_bytes, and the step goes on"
-            if kept
-            else "was released before its write ended, so nothing was lost"
-        )
-        return TierstoreWarning(
-            f"tierstore: a write to the disk tier failed ({quoted(error)}); the saved tensor "
-            f"of {human_bytes(entry.nbytes)} {fate}. Later failures are only counted, in "
-            f"stats().failed_writes; {DISK_HINT}"
-        )
-
-    def _raise_failure(self) -> None:
-        failure, self._failure = self._failure, None
-        # An entry released since (its graph gone with an earlier error, say)
-        # no longer holds host memory: its failure is only counted.
-        if failure is not None and failure[1] in self._entries:
-            error = failure[0]
-            self._warned_write = True  # the user has heard: later failures are only counted
-            raise TierstoreError(
-                f"tierstore: a background write to the disk tier failed: {quoted(error)}; the "
-                "saved tensors it held are still in host memory. Check the disk under disk_path "
-                f"({ENV_PREFIX}DISK_PATH), or raise host_budget ({ENV_PREFIX}HOST_BUDGET) or "
-                f"write_queue_bytes ({ENV_PREFIX}WRITE_QUEUE_BYTES) so that failed writes can "
-                "stay in host memory (they do while both have room)"
-            ) from error
-
-    def _top_up_window(self) -> None:
-        """Queue reads in schedule order up to prefetch_bytes (NOTE [ Prefetch ])."""
-        limit = int(self.config.prefetch_bytes)
-        while self._window_bytes < limit:
-            key = self._schedule.next_planned()
-            if key is None:
-                return
-            entry = self._entries.get(key)
-            if entry is None or key in self._window:
-                continue
-            if entry.tier == "host" and entry.device.type == "cuda":
-                if entry.held is not None or (
-                    entry.loaded is not None and entry.loaded() is not None
-                ):
-                    continue
-                span, _ = entry.span()
-                copy = self._pipeline.device_copy(span, entry.device, entry.ready)
-                self._window[key] = (copy, entry.nbytes)
-                self._window_bytes += entry.nbytes
-                self._prefetched_bytes += entry.nbytes
-                continue
-            if (
-                entry.tier != "disk"
-                or key in self._demand
-                or entry.held is not None
-                or (entry.loaded is not None and entry.loaded() is not None)
-            ):
-                continue
-            # A write still under way: the read follows it (NOTE [ Prefetch ]).
-            source = entry.record if entry.record is not None else entry.writing
-            if source is None:
-                continue
-            future = self._pipeline.submit_read(key, source)
-            self._window[key] = (future, entry.nbytes)
-            self._window_bytes += entry.nbytes
-            self._prefetched_bytes += entry.footprint
-
-    def _no_tier_error(self, entry: _Entry, start: int) -> TierFullError:
+    def _no_tier_error(self, entry: Entry, start: int) -> TierFullError:
         budgets = ", ".join(
             f"{tier}_budget={human_bytes(self._tiers[tier].budget)}" for tier in TIERS[start:]
         )
@@ -841,7 +439,7 @@ class TierManager:
 
     # -- lifetimes (NOTE [ Deferred release ]) ----------------------------------
 
-    def _handle(self, entry: _Entry, t: torch.Tensor) -> Handle:
+    def _handle(self, entry: Entry, t: torch.Tensor) -> Handle:
         handle = Handle(entry.key, t)
         weakref.finalize(handle, self._release, entry.key).atexit = False
         return handle
@@ -874,8 +472,8 @@ class TierManager:
         if self._closed:
             self._pending.clear()
             return
-        self._settle_copies()
-        self._harvest()
+        self._transfers.settle()
+        self._writes.harvest()
         while self._pending:
             self._release_locked(self._pending.popleft())
 
@@ -889,19 +487,33 @@ class TierManager:
         del self._entries[key]
         if entry.dedupe_key is not None:
             self._dedupe.pop(entry.dedupe_key, None)
-        ahead = self._window.pop(key, None)
-        if ahead is not None:
-            self._window_bytes -= ahead[1]
-            self._drop_ahead(ahead[0])
-        tier = entry.tier
-        if key in self._writing:
-            return  # _harvest frees it once the write has ended
-        if tier is not None:
-            state = self._tiers[tier]
-            state.remove(entry, state.size_of(entry, tier))
-            if tier == "disk":
+        self._reads.drop(key)
+        if key in self._writes:
+            return  # harvest() frees it once the write has ended
+        if entry.tier is not None:
+            state = self._tiers[entry.tier]
+            state.remove(entry, state.size_of(entry))
+            if entry.tier == "disk":
                 self._pipeline.delete(key)
-        self._pipeline.free_host(entry.block)
+        self._transfers.free_host(entry.block)
         entry.tensor = entry.held = entry.block = None
-        if entry.ready is None:  # else _settle_copies lets go once the copy has read it
+        if entry.ready is None:  # else settle() lets go once the copy has read it
             entry.probe = None
+
+
+def _dedupe_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two saves the same bytes: storage address, view, dtype, device, version."""
+    return (
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.dtype,
+        t.device,
+        t._version,
+    )
+
+
+def _close_movers(pipeline: Pipeline, transfers: Transfers) -> None:
+    pipeline.close()
+    transfers.close()

@@ -5,8 +5,8 @@ back (H2D):
 
 * ``pinned copy_``: the practical limit: ``copy_(non_blocking=True)`` into
   pinned buffers allocated beforehand (untimed), on one side stream;
-* ``tierstore pool``: the store's own path, :meth:`Pipeline.host_copy` into
-  the pinned pool and :meth:`Pipeline.device_copy` back, with the streams and
+* ``tierstore pool``: the store's own path, :meth:`Transfers.host_copy` into
+  the pinned pool and :meth:`Transfers.device_copy` back, with the streams and
   events it uses in training. An untimed pass first grows the pool, as the
   first training step does; later steps reuse it.
 
@@ -31,7 +31,7 @@ import torch
 from tierstore.bench.report import fmt_ratio, format_table, median
 from tierstore.config import TierConfig
 from tierstore.errors import TierstoreError
-from tierstore.pipeline import Pipeline
+from tierstore.transfers import Transfers
 
 __all__ = ["CopyRow", "bench_copies", "format_copies"]
 
@@ -86,7 +86,7 @@ def _pinned_copy(tensors: list[torch.Tensor]) -> tuple[float, float, list[torch.
     return d2h_s, h2d_s, back
 
 
-def _pool_copy(pipe: Pipeline, tensors: list[torch.Tensor]) -> tuple[float, float, Any]:
+def _pool_copy(pipe: Transfers, tensors: list[torch.Tensor]) -> tuple[float, float, Any]:
     copies: list[Any] = []
 
     def d2h() -> list[torch.Tensor]:
@@ -125,7 +125,7 @@ def bench_copies(total_bytes: int, sizes: Sequence[int], *, repeat: int = 3) -> 
         tensors.append(torch.randn(n, device="cuda", generator=gen))
         done += 4 * n
     total = 4 * sum(t.numel() for t in tensors)
-    pipe = Pipeline(TierConfig(host_budget=2 * total, disk_budget=0))
+    pipe = Transfers(TierConfig(host_budget=2 * total, disk_budget=0))
     times: dict[str, list[tuple[float, float]]] = {"pinned copy_": [], "tierstore pool": []}
     try:
         _pool_copy(pipe, tensors)  # grows the pool, as a first training step does

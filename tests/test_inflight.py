@@ -1,0 +1,283 @@
+"""Bytes in flight sized by need, and tierstore's own buffers given back (issue 11).
+
+NOTE [ In-flight sizing ] (tierstore/sizing.py) and NOTE [ Leased buffers ]
+(backends/host.py). Everything is judged on counts and bytes from stats(),
+never on timings: stalls are forced by gating the disk, not by a slow one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tierstore
+from tierstore import readahead, writebehind
+from tierstore.backends.file import FileBackend
+from tierstore.pipeline import Pipeline
+
+MIB = 1 << 20
+
+
+def _config(spill_root: Path, **overrides: Any) -> tierstore.TierConfig:
+    settings: dict[str, Any] = {
+        "device_budget": 0,
+        "host_budget": 0,
+        "disk_budget": "64MiB",
+        "disk_path": spill_root,
+        "min_offload_bytes": 0,
+    }
+    settings.update(overrides)
+    return tierstore.TierConfig(**settings)
+
+
+@pytest.fixture
+def small_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Limits that start and end small, so that a few 64 KiB saves move them."""
+    monkeypatch.setattr(readahead, "_START_BYTES", 128 << 10)
+    monkeypatch.setattr(readahead, "_MIN_BYTES", 64 << 10)
+    monkeypatch.setattr(writebehind, "_START_BYTES", 128 << 10)
+    monkeypatch.setattr(writebehind, "_MIN_BYTES", 64 << 10)
+
+
+def reads_done_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every read ends before submit_read returns: backward never waits for one."""
+    original = Pipeline.submit_read
+
+    def at_once(self: Pipeline, *args: Any) -> concurrent.futures.Future[torch.Tensor]:
+        future = original(self, *args)
+        concurrent.futures.wait([future])
+        return future
+
+    monkeypatch.setattr(Pipeline, "submit_read", at_once)
+
+
+def slow_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each read takes 50 ms, far longer than the backward of a sin(): unpacks stall."""
+    original = FileBackend._load
+
+    def slow(self: FileBackend, *args: Any) -> None:
+        time.sleep(0.05)
+        original(self, *args)
+
+    monkeypatch.setattr(FileBackend, "_load", slow)
+
+
+def _chain(x: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):
+        x = x.sin()  # each saves its 64 KiB input
+    return x.sum()
+
+
+def _step(store: tierstore.TierStore, x: torch.Tensor, n: int = 8) -> None:
+    with store.offload():
+        loss = _chain(x, n)
+    store.flush()  # every save on disk: backward must read each one
+    loss.backward()
+
+
+def test_the_window_grows_after_stalls_and_shrinks_while_every_unpack_hits(
+    spill_root: Path, small_limits: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = torch.randn(16 * 1024, requires_grad=True)  # 64 KiB
+    cfg = _config(spill_root, prefetch_bytes="8MiB", io_workers=1)
+    with tierstore.TierStore(cfg) as store:
+        start = store.stats().prefetch_window_bytes
+        assert start == 128 << 10
+        with monkeypatch.context() as patch:
+            slow_reads(patch)
+            _step(store, x, n=6)
+        grown = store.stats()
+        # Every unpack but the first (a miss that nothing could have read ahead) stalls.
+        assert grown.prefetch_stalls == 5
+        assert grown.prefetch_window_bytes == start * 2**5
+        # Reads that are done before anyone asks: no stall, a smaller window each step.
+        sizes = []
+        for _ in range(3):
+            with store.offload():
+                loss = _chain(x, 6)
+            sizes.append(store.stats().prefetch_window_bytes)
+            store.flush()
+            with monkeypatch.context() as patch:
+                reads_done_at_once(patch)
+                loss.backward()
+        after = store.stats()
+        assert after.prefetch_stalls == grown.prefetch_stalls  # none since
+        assert sizes[0] == grown.prefetch_window_bytes  # the grown step stalled: kept
+        assert sizes[1] == sizes[0] * 3 // 4 and sizes[2] == sizes[1] * 3 // 4
+
+
+def test_the_window_never_passes_prefetch_bytes(
+    spill_root: Path, small_limits: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = torch.randn(16 * 1024, requires_grad=True)
+    cfg = _config(spill_root, prefetch_bytes="256KiB", io_workers=1)
+    with tierstore.TierStore(cfg) as store:
+        slow_reads(monkeypatch)
+        _step(store, x, n=6)
+        stats = store.stats()
+        assert stats.prefetch_stalls == 5
+        assert stats.prefetch_window_bytes == 256 << 10
+
+
+def test_the_write_queue_grows_after_pack_waits_and_shrinks_without_them(
+    spill_root: Path, small_limits: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = threading.Event()
+    original = FileBackend._store
+
+    def gated(self: FileBackend, *args: Any) -> None:
+        gate.wait(5)
+        original(self, *args)
+
+    monkeypatch.setattr(FileBackend, "_store", gated)
+    x = torch.randn(16 * 1024, requires_grad=True)
+    with tierstore.TierStore(_config(spill_root, write_queue_bytes="4MiB")) as store:
+        assert store.stats().write_queue_limit_bytes == 128 << 10
+        timer = threading.Timer(0.2, gate.set)  # writes hang: the queue fills, forward waits
+        timer.start()
+        _step(store, x, n=8)  # 8 saves of 64 KiB: over 128 KiB
+        timer.join()
+        grown = store.stats()
+        assert grown.pack_waits >= 1 and grown.pack_wait_s > 0
+        assert grown.write_queue_limit_bytes == (128 << 10) * 2**grown.pack_waits
+        _step(store, x, n=1)  # the step that waited ends: no shrink
+        assert store.stats().write_queue_limit_bytes == grown.write_queue_limit_bytes
+        _step(store, x, n=1)  # this one did not wait: a quarter less
+        after = store.stats()
+        assert after.pack_waits == grown.pack_waits
+        assert after.write_queue_limit_bytes == grown.write_queue_limit_bytes * 3 // 4
+
+
+def test_written_bytes_never_go_down(spill_root: Path) -> None:
+    # The reservation is a bound (zstd, 4 KiB pages); written counts what landed.
+    x = torch.zeros(64 * 1024, requires_grad=True)  # compresses to almost nothing
+    with tierstore.TierStore(_config(spill_root, compression="zstd")) as store:
+        seen = []
+        for _ in range(3):
+            with store.offload():
+                loss = _chain(x, 4)
+            seen.append(store.stats().tiers["disk"].bytes_written)
+            store.flush()
+            seen.append(store.stats().tiers["disk"].bytes_written)
+            loss.backward()
+        assert seen == sorted(seen) and seen[-1] > 0
+        assert seen[-1] < 12 * 256 * 1024  # compressed sizes, not the reservations
+
+
+# -- buffers (NOTE [ Leased buffers ]) -------------------------------------------------
+
+
+def _in_use(store: tierstore.TierStore) -> int:
+    gc.collect()
+    return store.stats().buffer_bytes_in_use
+
+
+def test_a_read_back_tensor_lives_in_the_pool_until_autograd_drops_it(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads_done_at_once(monkeypatch)
+    x = torch.randn(64 * 1024, requires_grad=True)  # 256 KiB
+    with tierstore.TierStore(_config(spill_root)) as store:
+        with store.offload():
+            y = x.exp()
+        store.flush()
+        assert _in_use(store) == 0  # forward's bytes are on disk, the pool is idle
+        saved = y.grad_fn._saved_result  # unpacks: a read into the pool
+        assert torch.equal(saved, x.detach().exp())
+        assert _in_use(store) == 256 * 1024
+        del saved
+        assert _in_use(store) == 0  # back in the pool, not on the heap
+        y.sum().backward()
+        assert torch.equal(x.grad, x.detach().exp())
+        assert _in_use(store) == 0
+        assert store.stats().buffer_misses == 0
+
+
+def test_buffers_come_back_when_backward_fails_midway(spill_root: Path) -> None:
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("boom")
+
+    x = torch.randn(64 * 1024, requires_grad=True)
+    with tierstore.TierStore(_config(spill_root)) as store:
+        with store.offload():
+            loss = Boom.apply(_chain(x, 4).expand(8)).sum()
+        store.flush()
+        with pytest.raises(RuntimeError, match="boom"):
+            loss.backward()
+        del loss
+        assert _in_use(store) == 0
+        assert store.stats().tiers["disk"].entries == 0
+
+
+def test_buffers_come_back_when_a_graph_is_dropped_without_backward(spill_root: Path) -> None:
+    # A gapped view (every other column) is staged densely in the pool before its write.
+    x = torch.randn(256, 512, requires_grad=True)
+    with tierstore.TierStore(_config(spill_root)) as store:
+        for _ in range(2):
+            with store.offload():
+                loss = (x * 2)[:, ::2].sin().sum()
+            del loss
+            store.flush()
+            assert _in_use(store) == 0
+            stats = store.stats()
+            assert stats.tiers["disk"].entries == 0 and stats.tiers["disk"].bytes == 0
+
+
+def test_a_read_back_tensor_outlives_close(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads_done_at_once(monkeypatch)
+    x = torch.randn(64 * 1024, requires_grad=True)
+    store = tierstore.TierStore(_config(spill_root))
+    with store.offload():
+        y = x.exp()
+    store.flush()
+    saved = y.grad_fn._saved_result
+    store.close()
+    assert torch.equal(saved, x.detach().exp())  # the pool is gone, its memory is not
+    del saved, y
+    gc.collect()
+    assert not [t for t in threading.enumerate() if t.name.startswith("tierstore")]
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("backend", ["file", "lmdb"])
+def test_gradients_are_exact_with_pooled_buffers(
+    spill_root: Path,
+    backend: str,
+    compression: str,
+    compare_with_eager: Callable[..., Any],
+) -> None:
+    def build() -> Any:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(128, 256),
+            torch.nn.GELU(),
+            torch.nn.Linear(256, 128),
+            torch.nn.LayerNorm(128),
+        )
+
+        def loss_fn(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            h = model(x)  # gapped views below: staged and restored through the pool
+            return (h[:, ::2].sin() + h.t()[::2].t().cos()).square().mean()
+
+        return model, [torch.randn(64, 128, requires_grad=True)], loss_fn
+
+    cfg = _config(spill_root, disk_backend=backend, compression=compression)
+    with tierstore.TierStore(cfg) as store:
+        for _ in range(2):
+            compare_with_eager(build, store)
+        assert _in_use(store) == 0

@@ -1,0 +1,255 @@
+"""Read-ahead: the window of reads and copies backward will want next, sized by need.
+
+Called under the tier manager's lock, with the manager's entries and
+schedule; it issues disk reads through the movers and, on CUDA, copies of
+host entries back to the device through the transfers. See
+``NOTE [ Prefetch ]``; the window's size, ``NOTE [ In-flight sizing ]``.
+
+Example:
+    >>> from tierstore import TierConfig
+    >>> from tierstore.readahead import ReadAhead
+    >>> ReadAhead(TierConfig(prefetch_bytes="64MiB"), None, None).limit.bytes
+    16777216
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierstore import codec
+from tierstore.config import TierConfig
+from tierstore.entry import Entry, TierState
+from tierstore.schedule import Schedule
+from tierstore.sizing import InFlightLimit
+from tierstore.transfers import DeviceCopy, Transfers
+
+if TYPE_CHECKING:
+    from tierstore.pipeline import Pipeline
+
+__all__ = ["ReadAhead"]
+
+# NOTE [ Prefetch ]
+# Backward asks for entries in the order the Schedule predicts (recorded from
+# the last step, else reverse pack order). Each get() tops up a window of
+# reads in flight, up to the window's limit (NOTE [ In-flight sizing ]), and
+# then waits, outside the lock, only for the entry it needs. A read of an
+# entry whose write is still under way is chained after that write. An entry
+# found in the window, still in memory, or already read for another handle
+# is a hit; one that must be read on demand is a miss. The first unpack of a
+# backward whose entries are all on disk is always a miss: nothing says when
+# forward has ended.
+
+# The window's size: NOTE [ In-flight sizing ] in tierstore/sizing.py. The
+# first unpack of a backward is not a stall of the window's making (nothing
+# could have read it ahead) and does not grow it.
+_START_BYTES = 16 << 20
+_MIN_BYTES = 4 << 20
+
+
+class ReadAhead:
+    """The prefetch window: reads and copies ahead of backward, and its hit counters.
+
+    Example:
+        >>> from tierstore import TierConfig
+        >>> from tierstore.readahead import ReadAhead
+        >>> ra = ReadAhead(TierConfig(prefetch_bytes="1GiB"), None, None)
+        >>> ra.window_bytes, ra.limit.bytes
+        (0, 16777216)
+    """
+
+    def __init__(
+        self,
+        config: TierConfig,
+        pipeline: Pipeline | None,
+        transfers: Transfers | None,
+        disk: TierState | None = None,
+    ) -> None:
+        self._pipeline = pipeline
+        self._transfers = transfers
+        self._disk = disk  # the tier manager's: its bytes_read counts what is read
+        self.limit = InFlightLimit(int(config.prefetch_bytes), _START_BYTES, _MIN_BYTES)
+        self._window: dict[int, tuple[concurrent.futures.Future[torch.Tensor] | DeviceCopy, int]]
+        self._window = {}
+        self.window_bytes = 0
+        self._demand: dict[int, concurrent.futures.Future[torch.Tensor]] = {}
+        self.hits = 0
+        self.misses = 0
+        self.first_waits = 0  # first unpacks of a backward that waited: not the window's doing
+        self.prefetched_bytes = 0
+        self.unpack_wait_s = 0.0
+
+    # -- the window ----------------------------------------------------------------
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._window
+
+    def take(self, key: int) -> concurrent.futures.Future[torch.Tensor] | DeviceCopy | None:
+        """Remove ``key``'s read or copy ahead from the window and return it (``None``: none)."""
+        ahead = self._window.pop(key, None)
+        if ahead is None:
+            return None
+        self.window_bytes -= ahead[1]
+        return ahead[0]
+
+    def drop(self, key: int) -> None:
+        """Forget ``key``'s read or copy ahead, if any: it is not needed (any more)."""
+        ahead = self.take(key)
+        if ahead is not None:
+            self._forget(ahead)
+
+    def top_up(self, schedule: Schedule, entries: Mapping[int, Entry]) -> None:
+        """Queue reads in schedule order up to the window's limit (NOTE [ Prefetch ])."""
+        assert self._pipeline is not None and self._transfers is not None
+        while self.window_bytes < self.limit.bytes:
+            key = schedule.next_planned()
+            if key is None:
+                return
+            entry = entries.get(key)
+            if entry is None or key in self._window or entry.read_back() is not None:
+                continue
+            if entry.tier == "host" and entry.device.type == "cuda":
+                span, _ = entry.span()
+                ahead: concurrent.futures.Future[torch.Tensor] | DeviceCopy
+                ahead = self._transfers.device_copy(span, entry.device, entry.ready)
+                self.prefetched_bytes += entry.nbytes
+            elif entry.tier == "disk" and key not in self._demand:
+                # A write still under way: the read follows it (NOTE [ Prefetch ]).
+                source = entry.record if entry.record is not None else entry.writing
+                if source is None:
+                    continue
+                ahead = self._read(entry, source)
+                self.prefetched_bytes += entry.footprint
+            else:
+                continue
+            self._window[key] = (ahead, entry.nbytes)
+            self.window_bytes += entry.nbytes
+
+    def _read(self, entry: Entry, source: object) -> concurrent.futures.Future[torch.Tensor]:
+        assert self._pipeline is not None and self._transfers is not None
+        alloc = self._transfers.allocator(entry.device)
+        return self._pipeline.submit_read(entry.key, source, alloc)  # type: ignore[arg-type]
+
+    # -- unpack --------------------------------------------------------------------
+
+    def from_host(
+        self,
+        entry: Entry,
+        span: torch.Tensor,
+        layout: codec.Layout,
+        schedule: Schedule,
+        entries: Mapping[int, Entry],
+    ) -> torch.Tensor:
+        """A host entry back on its CUDA device (NOTE [ Prefetch ])."""
+        assert self._transfers is not None
+        cached = entry.read_back()
+        ahead = self.take(entry.key)
+        if cached is not None:
+            if ahead is not None:
+                self._forget(ahead)
+            self.hits += 1
+            self.top_up(schedule, entries)
+            return cached
+        if isinstance(ahead, DeviceCopy):
+            self.hits += 1
+            copy = ahead
+        else:
+            self.misses += 1
+            copy = self._transfers.device_copy(span, entry.device, entry.ready)
+        # Remembered first, so that the top-up does not copy this entry again.
+        out = entry.remember(codec.from_span(Transfers.consume(copy), layout))
+        self.top_up(schedule, entries)
+        return out
+
+    def from_disk(
+        self, entry: Entry, schedule: Schedule, entries: Mapping[int, Entry], *, first: bool
+    ) -> torch.Tensor | concurrent.futures.Future[torch.Tensor]:
+        """A disk entry: the tensor if memory has it, else the read to wait for, unlocked."""
+        assert self._transfers is not None and entry.layout is not None
+        cached = entry.read_back()
+        in_memory = entry.tensor  # still being written: NOTE [ Write-behind ]
+        ahead = self.take(entry.key)
+        if cached is not None or in_memory is not None:
+            if ahead is not None:
+                self._forget(ahead)
+            self.hits += 1
+            self.top_up(schedule, entries)
+            if cached is not None:
+                return cached
+            assert in_memory is not None
+            copy = self._transfers.device_copy(in_memory, entry.device, entry.ready)
+            return self._restore(entry, Transfers.consume(copy))
+        if ahead is not None:
+            assert not isinstance(ahead, DeviceCopy)
+            self.hits += 1
+            future = ahead
+        else:
+            self.misses += 1
+            source = entry.record if entry.record is not None else entry.writing
+            assert source is not None
+            future = self._read(entry, source)
+            self._demand[entry.key] = future
+        if self._disk is not None:
+            self._disk.read += entry.footprint
+        if not future.done():
+            if first:
+                self.first_waits += 1
+            else:
+                self.limit.stalled()
+        self.top_up(schedule, entries)
+        return future
+
+    def finish(
+        self,
+        entry: Entry,
+        future: concurrent.futures.Future[torch.Tensor],
+        lock: threading.Lock,
+    ) -> torch.Tensor:
+        """Wait for ``future`` (the caller holds no lock), then the entry's tensor."""
+        assert self._pipeline is not None and self._transfers is not None
+        start = time.perf_counter()
+        try:
+            with torch.profiler.record_function("tierstore::unpack_wait"):
+                self._pipeline.wait([future])  # NOTE [ Movers ]
+                span = future.result()  # close() waits for reads under way: never cancelled
+        finally:
+            waited = time.perf_counter() - start
+            with lock:
+                self.unpack_wait_s += waited
+                self._demand.pop(entry.key, None)
+        copy = self._transfers.device_copy(span, entry.device)
+        return entry.remember(self._restore(entry, Transfers.consume(copy)))
+
+    def _restore(self, entry: Entry, span: torch.Tensor) -> torch.Tensor:
+        assert self._transfers is not None and entry.layout is not None
+        return codec.from_span(span, entry.layout, self._transfers.allocator(span.device))
+
+    @staticmethod
+    def _forget(ahead: concurrent.futures.Future[torch.Tensor] | DeviceCopy) -> None:
+        if isinstance(ahead, DeviceCopy):
+            # Its memory belongs to the consumer's stream: let that stream wait
+            # for the copy before the allocator may hand the memory out again.
+            Transfers.consume(ahead)
+        else:
+            ahead.cancel()  # a read has no side effect: dropping it is safe
+
+    # -- lifetime ------------------------------------------------------------------
+
+    def in_flight(self) -> list[concurrent.futures.Future[torch.Tensor]]:
+        """Reads under way (ahead or on demand), for close() to wait on."""
+        reads = [f for f, _ in self._window.values() if not isinstance(f, DeviceCopy)]
+        return reads + list(self._demand.values())
+
+    def close(self) -> None:
+        """Wait for copies into device memory about to be freed; forget everything."""
+        for ahead, _ in self._window.values():
+            if isinstance(ahead, DeviceCopy) and ahead.ready is not None:
+                ahead.ready.synchronize()
+        self._window.clear()
+        self._demand.clear()
+        self.window_bytes = 0

@@ -1,0 +1,64 @@
+"""How many bytes may be in flight: a limit that grows after stalls and shrinks while idle.
+
+Read-ahead and write-behind each hold one (NOTE [ In-flight sizing ]).
+
+Example:
+    >>> from tierstore.sizing import InFlightLimit
+    >>> limit = InFlightLimit(cap_bytes=100, start_bytes=10, min_bytes=4)
+    >>> limit.stalled(); limit.bytes
+    20
+    >>> limit.step_started(); limit.step_started(); limit.bytes  # one step stalled, one did not
+    15
+"""
+
+from __future__ import annotations
+
+__all__ = ["InFlightLimit"]
+
+# NOTE [ In-flight sizing ]
+# Bytes in flight are memory: a read-ahead window and a write queue of a
+# fixed 256 MiB each kept 0.4x of a model's activations resident, whatever
+# the disk's speed. Each is sized instead by what the step needs, learnt as
+# the store runs, with the setting (prefetch_bytes, write_queue_bytes) as its
+# upper bound:
+#   * it starts small (start_bytes);
+#   * a stall (backward waiting for a read, forward waiting for the queue)
+#     doubles it at once, up to the bound: the next bytes go out earlier;
+#   * a step with no stall shrinks it by a quarter for the next step, down
+#     to min_bytes: a limit grown for a slow phase gives the memory back once
+#     the disk keeps up.
+# So it settles where the step just stops waiting: growing within a step,
+# shrinking between steps, at the cost of an occasional stall while it
+# probes downwards. Counted in stats() (prefetch_window_bytes,
+# write_queue_limit_bytes, prefetch_stalls, pack_waits).
+
+
+class InFlightLimit:
+    """A byte limit sized by stalls (NOTE [ In-flight sizing ]).
+
+    Example:
+        >>> from tierstore.sizing import InFlightLimit
+        >>> InFlightLimit(cap_bytes=0, start_bytes=16, min_bytes=4).bytes  # a bound of 0 wins
+        0
+    """
+
+    __slots__ = ("_min", "_stalled", "bytes", "cap_bytes", "stalls")
+
+    def __init__(self, cap_bytes: int, start_bytes: int, min_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self._min = min(min_bytes, cap_bytes)
+        self.bytes = min(start_bytes, cap_bytes)
+        self.stalls = 0
+        self._stalled = False
+
+    def stalled(self) -> None:
+        """Something waited for bytes in flight: double the limit, up to its bound."""
+        self.stalls += 1
+        self._stalled = True
+        self.bytes = min(self.cap_bytes, max(2 * self.bytes, self._min))
+
+    def step_started(self) -> None:
+        """A new step: shrink by a quarter if the last one never stalled."""
+        if not self._stalled:
+            self.bytes = max(self._min, self.bytes * 3 // 4)
+        self._stalled = False

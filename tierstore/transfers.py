@@ -1,0 +1,329 @@
+"""Transfers: host memory tierstore owns, and the copies between it and the device.
+
+One owner for every host buffer and every copy on a CUDA stream: the pinned
+pool and the copy streams (``NOTE [ Copies on CUDA ]``), the D2H copies
+still under way, and on a CPU the pool of buffers that disk reads and write
+staging lease (``NOTE [ Leased buffers ]`` in ``tierstore/backends/host.py``).
+All of it is created on first use and released by :meth:`Transfers.close`.
+Called under the tier manager's lock.
+
+Example:
+    >>> import torch
+    >>> from tierstore import TierConfig
+    >>> from tierstore.transfers import Transfers
+    >>> transfers = Transfers(TierConfig(disk_budget="1MiB"))
+    >>> buf = transfers.buffer(10_000)
+    >>> buf.numel(), transfers.buffers_if_open.used_bytes
+    (10000, 12288)
+    >>> del buf; transfers.close(); transfers.close()
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tierstore.backends.host import HostBlock, HostPool
+from tierstore.config import TierConfig
+from tierstore.entry import Entry
+from tierstore.errors import StoreClosedError
+
+__all__ = ["DeviceCopy", "HostCopy", "Transfers"]
+
+# NOTE [ Copies on CUDA ]
+# D2H (a saved tensor leaves the device): the d2h stream waits on the
+# producer's stream, read at call time, then copies into a pooled pinned
+# block and records an event. Pack returns at once; the entry keeps the span
+# copied from (for a view with gaps, a compact temporary that nothing else
+# holds) and the saved tensor referenced until that event has completed
+# (Entry.ready, Entry.source, Entry.probe), so the caching allocator cannot
+# hand its memory to a new tensor while the copy still reads it. A disk
+# write of the block first waits for the event on the I/O thread.
+# H2D (backward needs it back): the destination is allocated on the
+# consumer's stream, and the h2d stream waits on that stream before it writes
+# there, because the caching allocator hands the consumer's freed blocks out
+# in that stream's order; it also waits on the entry's D2H event if that copy
+# is still under way. The consumer's stream then waits on the H2D event
+# (DeviceCopy.ready): no host synchronisation anywhere, and no
+# record_stream. Prefetched copies are issued at earlier unpacks, so they run
+# on the h2d stream while the consumer computes.
+# A pool block goes back only once every copy issued before the release, on
+# both copy streams, has completed (an event recorded on each at release).
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """A span's bytes in host memory, and the copy that fills them (NOTE [ Copies on CUDA ]).
+
+    ``ready`` is ``None`` when the bytes are there already (always on CPU);
+    otherwise the event of the D2H copy. ``block`` is the pool block holding
+    them, to be given back with :meth:`Transfers.free_host`.
+
+    Example:
+        >>> import torch
+        >>> from tierstore import TierConfig
+        >>> from tierstore.transfers import Transfers
+        >>> copy = Transfers(TierConfig(disk_budget=0)).host_copy(torch.ones(2))
+        >>> copy.ready is None and copy.block is None
+        True
+    """
+
+    tensor: torch.Tensor
+    ready: torch.cuda.Event | None = None
+    block: HostBlock | None = None
+
+
+@dataclass(frozen=True)
+class DeviceCopy:
+    """A span copied back to its device on the h2d stream; ``ready`` is that copy's event.
+
+    Example:
+        >>> import torch
+        >>> from tierstore.transfers import DeviceCopy
+        >>> DeviceCopy(torch.ones(2), None).ready is None
+        True
+    """
+
+    tensor: torch.Tensor
+    ready: torch.cuda.Event | None
+
+
+class _Streams:
+    """The copy streams of one CUDA device, created on first use."""
+
+    __slots__ = ("d2h", "h2d")
+
+    def __init__(self, device: torch.device) -> None:
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+
+
+class Transfers:
+    """Host buffers and device copies for one store; see the module docstring.
+
+    Example:
+        >>> import torch
+        >>> from tierstore import TierConfig
+        >>> from tierstore.transfers import Transfers
+        >>> transfers = Transfers(TierConfig(disk_budget=0))
+        >>> transfers.host_copy(torch.ones(2)).tensor.device
+        device(type='cpu')
+        >>> transfers.close()
+    """
+
+    def __init__(self, config: TierConfig) -> None:
+        self._config = config
+        self._lock = (
+            threading.Lock()
+        )  # creating the pools; everything else runs under the manager's
+        self._closed = False
+        self._pinned: HostPool | None = None
+        self._buffers: HostPool | None = None
+        self._streams: dict[torch.device, _Streams] = {}
+        # Pool blocks waiting for the copies issued before their release.
+        self._returns: deque[tuple[list[torch.cuda.Event], HostBlock]] = deque()
+        # D2H copies under way, oldest first, and their bytes.
+        self._copying: deque[Entry] = deque()
+        self.copying_bytes = 0
+
+    # -- host memory (NOTE [ Host pool ], NOTE [ Leased buffers ]) --------------
+
+    @property
+    def pinned_pool_if_open(self) -> HostPool | None:
+        """The host tier's pool on CUDA, if a copy off the device has created it."""
+        return self._pinned
+
+    @property
+    def buffers_if_open(self) -> HostPool | None:
+        """The CPU buffer pool, if a read or write staging has created it."""
+        return self._buffers
+
+    def _pool(self, pinned: bool) -> HostPool:
+        pool = self._pinned if pinned else self._buffers
+        if pool is not None:
+            return pool
+        with self._lock:
+            if self._closed:
+                raise StoreClosedError("tierstore: this store is closed; its host memory is gone")
+            cfg = self._config
+            if pinned:
+                # Queued disk writes hold blocks too, beyond the host tier's own.
+                capacity = int(cfg.host_budget) + int(cfg.write_queue_bytes)
+                pool = self._pinned = HostPool(
+                    capacity, int(cfg.host_pool_step), pin=cfg.pin_memory
+                )
+            else:
+                # Bytes in flight both ways, at most: what the settings allow.
+                capacity = int(cfg.prefetch_bytes) + int(cfg.write_queue_bytes)
+                pool = self._buffers = HostPool(capacity, int(cfg.host_pool_step), pin=False)
+        return pool
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of uint8 host memory that returns to the pool when its storage is freed.
+
+        From the heap when the pool is full (counted in ``allocations_outside``).
+        """
+        out = self._pool(pinned=False).lease(nbytes)
+        return out if out is not None else torch.empty(nbytes, dtype=torch.uint8)
+
+    def allocator(self, device: torch.device) -> Callable[[int], torch.Tensor] | None:
+        """Where disk reads for an entry on ``device`` land: leased buffers on a CPU.
+
+        ``None`` (the heap) for a GPU's entries: the copy to the device reads
+        them once and lets go, and a pageable buffer must not be recycled while
+        a copy may still read it.
+        """
+        return self.buffer if device.type == "cpu" else None
+
+    def trim(self) -> None:
+        """Hand back the pages of idle buffers (NOTE [ Leased buffers ]); at a step's start."""
+        if self._buffers is not None:
+            self._buffers.trim()
+
+    # -- D2H ---------------------------------------------------------------------
+
+    def _streams_of(self, device: torch.device) -> _Streams:
+        streams = self._streams.get(device)
+        if streams is None:
+            streams = self._streams[device] = _Streams(device)
+        return streams
+
+    def host_copy(self, span: torch.Tensor) -> HostCopy:
+        """Start copying a span to host memory; on CPU the span itself is the copy."""
+        if span.device.type == "cpu":
+            return HostCopy(span)
+        if span.device.type != "cuda":  # other accelerators: a plain synchronous copy
+            return HostCopy(span.to("cpu"))
+        self.reclaim()
+        nbytes = span.numel() * span.element_size()
+        block = self._pool(pinned=True).take(nbytes)
+        if block is not None:
+            host = block.tensor.view(span.dtype).view(span.shape)
+        else:
+            host = torch.empty(span.shape, dtype=span.dtype, pin_memory=self._config.pin_memory)
+        streams = self._streams_of(span.device)
+        producer = torch.cuda.current_stream(span.device)  # at call time, never cached
+        with torch.profiler.record_function("tierstore::d2h"):
+            streams.d2h.wait_stream(producer)
+            with torch.cuda.stream(streams.d2h):
+                host.copy_(span, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(streams.d2h)
+        return HostCopy(host, ready, block)
+
+    def to_host(self, entry: Entry, span: torch.Tensor) -> None:
+        """Rest ``entry``'s bytes in host memory: a copy off the device, or the span itself."""
+        copy = self.host_copy(span)
+        if copy.tensor is span:
+            entry.tensor = span  # already host memory (CPU, or an entry on the host tier)
+            return
+        entry.tensor, entry.block = copy.tensor, copy.block
+        if copy.ready is None:
+            entry.let_go_of_original()  # a copy: later changes cannot reach it
+        else:
+            # NOTE [ Copies on CUDA ]: the source stays referenced (by the
+            # probe) until the copy has read it; settle() lets go.
+            entry.ready, entry.source = copy.ready, span
+            self._copying.append(entry)
+            self.copying_bytes += entry.nbytes
+
+    def settle(self) -> None:
+        """Let go of sources whose D2H copies have ended, and of pool blocks they freed."""
+        while self._copying and self.done(self._copying[0].ready):
+            entry = self._copying.popleft()
+            self.copying_bytes -= entry.nbytes
+            entry.ready = entry.source = None
+            entry.let_go_of_original()
+        self.reclaim()
+
+    def wait_oldest(self, unlocked: Callable[[Callable[[], object]], None]) -> None:
+        """Wait (through ``unlocked``, the manager's lock released) for the oldest D2H copy."""
+        ready = self._copying[0].ready if self._copying else None
+        if ready is not None:
+            unlocked(ready.synchronize)
+        self.settle()
+
+    # -- H2D ---------------------------------------------------------------------
+
+    def device_copy(
+        self, span: torch.Tensor, device: torch.device, after: torch.cuda.Event | None = None
+    ) -> DeviceCopy:
+        """Start copying a host span to ``device``; ``after``: the D2H that fills ``span``.
+
+        On CPU (or when the span is already there) no copy is made.
+        """
+        if span.device == device:
+            return DeviceCopy(span, None)
+        if device.type != "cuda":
+            return DeviceCopy(span.to(device), None)
+        streams = self._streams_of(device)
+        consumer = torch.cuda.current_stream(device)
+        with torch.profiler.record_function("tierstore::h2d"):
+            out = torch.empty(span.shape, dtype=span.dtype, device=device)  # consumer's pool
+            streams.h2d.wait_stream(consumer)
+            if after is not None:
+                streams.h2d.wait_event(after)
+            with torch.cuda.stream(streams.h2d):
+                out.copy_(span, non_blocking=span.is_pinned())
+                ready = torch.cuda.Event()
+                ready.record(streams.h2d)
+        return DeviceCopy(out, ready)
+
+    @staticmethod
+    def consume(copy: DeviceCopy) -> torch.Tensor:
+        """The copied tensor, usable on the current stream (which waits for the copy)."""
+        if copy.ready is not None:
+            torch.cuda.current_stream(copy.tensor.device).wait_event(copy.ready)
+        return copy.tensor
+
+    @staticmethod
+    def done(event: torch.cuda.Event | None) -> bool:
+        """Whether a copy's event has completed (``None``: there was nothing to wait for)."""
+        return event is None or event.query()
+
+    # -- pool blocks --------------------------------------------------------------
+
+    def free_host(self, block: HostBlock | None) -> None:
+        """Give a pinned pool block back once the copies issued so far have ended."""
+        if block is None:
+            return
+        events = []
+        for streams in self._streams.values():
+            for stream in (streams.d2h, streams.h2d):
+                event = torch.cuda.Event()
+                event.record(stream)
+                events.append(event)
+        self._returns.append((events, block))
+
+    def reclaim(self) -> None:
+        """Give back the pool blocks whose copies have all ended (cheap when none wait)."""
+        pool = self._pinned
+        while self._returns and all(e.query() for e in self._returns[0][0]):
+            _, block = self._returns.popleft()
+            if pool is not None:
+                pool.give(block)
+
+    def close(self) -> None:
+        """Wait for every copy under way, then drop the pools. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pinned, self._pinned = self._pinned, None
+            buffers, self._buffers = self._buffers, None
+        for entry in self._copying:  # copies into host memory about to be freed
+            if entry.ready is not None:
+                entry.ready.synchronize()
+        self._copying.clear()
+        self.copying_bytes = 0
+        for events, _ in self._returns:  # copies still using a block
+            for event in events:
+                event.synchronize()
+        self._returns.clear()
+        for pool in (pinned, buffers):
+            if pool is not None:
+                pool.close()
