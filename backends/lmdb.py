@@ -42,12 +42,14 @@ GIL while waiting) before they open a write transaction.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from typing import ClassVar
 
 import lmdb
 
+from tierstore.backends._aligned import AlignedBuffer, copy
 from tierstore.backends.base import Backend
 from tierstore.config import human_bytes
 from tierstore.errors import DISK_HINT, CorruptDataError, TierFullError, TierstoreError
@@ -138,6 +140,11 @@ class LmdbBackend(Backend[bytes]):
     def _open_storage(self) -> None:
         self._path = self._spill.file(_ENV_NAME)
         self._write_lock = threading.Lock()
+        # Where a record's chunks are joined for its put (one buffer per
+        # value): mapped on first use, grown to the largest record, reused by
+        # every write (they hold _write_lock), unmapped by close. A bytes
+        # object per write would leave its pages in the I/O thread's heap.
+        self._joined: AlignedBuffer | None = None
         try:
             # py-lmdb would make the subdirectory with ``mode`` (0600, no
             # search bit); make it ourselves, 0700.
@@ -170,6 +177,8 @@ class LmdbBackend(Backend[bytes]):
 
     def _close_storage(self) -> None:
         self._env.close()
+        if self._joined is not None:
+            self._joined.close()
 
     def _footprint(self, nbytes: int) -> int:
         """An upper bound on the pages a record of ``nbytes`` takes.
@@ -196,12 +205,9 @@ class LmdbBackend(Backend[bytes]):
         return entries
 
     def _store(self, key: int, place: bytes, views: list[memoryview], length: int) -> None:
-        # py-lmdb takes one buffer per value: pass a lone chunk as it is and
-        # join several with a single copy.
-        value = views[0] if len(views) == 1 else b"".join(views)
         try:
             with self._write_lock:
-                if not self._put(place, value):
+                if not self._put(place, self._one_buffer(views, length)):
                     raise CorruptDataError(
                         f"tierstore: entry {key} is already in the disk tier ({self._path}) "
                         "although it was never written"
@@ -217,6 +223,23 @@ class LmdbBackend(Backend[bytes]):
                 f"tierstore: writing entry {key} ({human_bytes(length)}) to {self._path} failed: "
                 f"{e}; {DISK_HINT}"
             ) from e
+
+    def _one_buffer(self, views: list[memoryview], length: int) -> memoryview:
+        # py-lmdb takes one buffer per value: pass a lone chunk as it is and
+        # join several, with one copy, in the reused buffer. Holds _write_lock.
+        if len(views) <= 1:
+            return views[0] if views else memoryview(b"")
+        joined = self._joined
+        if joined is None or joined.view.nbytes < length:
+            if joined is not None:
+                joined.close()
+            size = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
+            joined = self._joined = AlignedBuffer(size)
+        at = 0
+        for view in views:
+            copy(joined.view[at : at + view.nbytes], view)
+            at += view.nbytes
+        return joined.view[:length]
 
     def _put(self, kb: bytes, value: bytes | memoryview) -> bool:
         # Caller holds _write_lock. See NOTE [ LMDB map size ] for the retries.
