@@ -157,8 +157,10 @@ class Transfers:
                     capacity, int(cfg.host_pool_step), pin=cfg.pin_memory
                 )
             else:
-                # Bytes in flight both ways, at most: what the settings allow.
-                capacity = int(cfg.prefetch_bytes) + int(cfg.write_queue_bytes)
+                # Twice the bytes in flight the settings allow: a window being
+                # read while the last one is still held by backward, and the
+                # write queue's staging. Pages are used only as needed.
+                capacity = 2 * (int(cfg.prefetch_bytes) + int(cfg.write_queue_bytes))
                 pool = self._buffers = HostPool(capacity, int(cfg.host_pool_step), pin=False)
         return pool
 
