@@ -91,15 +91,18 @@ _LOST = (
 def _store(
     backend: Backend[Any],
     key: int,
-    span: torch.Tensor,
+    spans: list[torch.Tensor],
     config: TierConfig,
     alloc: codec.Alloc | None,
 ) -> Record:
-    """Encode ``span`` and write it under ``key``: one executor job, as :func:`_load`.
+    """Encode the span in ``spans`` and write it under ``key``: one executor job, as :func:`_load`.
 
     On a worker even uncompressed: the checksum reads every byte (NOTE [ Record integrity ]).
+    The span is taken out of the list: the executor keeps its job's arguments a
+    moment after the job ends, and the span's memory may be a leased buffer
+    that should be back in its pool when the write's future is done.
     """
-    frame = codec.encode(span, config.compression, config.compression_level, alloc)
+    frame = codec.encode(spans.pop(), config.compression, config.compression_level, alloc)
     meta = codec.parse_header(frame.header)  # before the write: a bad frame leaves nothing
     footprint = backend.write(key, [frame.header, frame.payload])
     return Record(frame.header, meta, footprint)
@@ -352,7 +355,7 @@ class Pipeline:
         backend = self._backend_or_open()
         if ready is not None:  # NOTE [ Copies on CUDA ]: the bytes are still arriving
             await _blocking(ready.synchronize)
-        record: Record = await _blocking(_store, backend, key, span, self._config, alloc)
+        record: Record = await _blocking(_store, backend, key, [span], self._config, alloc)
         return record
 
     async def _read(

@@ -191,6 +191,11 @@ class WriteBehind:
 
     def _landed(self, entry: Entry, record: Record) -> None:
         assert self._pipeline is not None and self._transfers is not None
+        # The done-callback does this too, but it runs after waiters wake:
+        # whoever waited for the write (flush) finds the memory gone.
+        entry.record = record
+        entry.let_go_of_original()
+        entry.tensor = None
         disk = self._tiers["disk"]
         self._transfers.free_host(entry.block)  # the bytes are on disk now
         entry.block = None
