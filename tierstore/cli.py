@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from tierstore.bench.cli import add_bench_parser
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.bench.scratch import removed_on_sigterm, scratch_dir
+from tierstore.bench.train import TrainSettings, bench_train
 from tierstore.config import TierConfig, describe_config, human_bytes
 from tierstore.errors import TierstoreError
 from tierstore.hooks import TierStore
@@ -112,7 +114,39 @@ def demo(args: argparse.Namespace) -> int:
         f"backward waited {after_backward.unpack_wait_s - before.unpack_wait_s:.2f} s for reads"
     )
     print(f"max |grad diff| = {diff:g} ({'bitwise equal' if equal else 'NOT EQUAL'})")
+    print(_peak_rss_line(args, cfg))
     return 0 if equal else 1
+
+
+def _peak_rss_line(args: argparse.Namespace, cfg: GPTConfig) -> str:
+    """Peak RSS as ``top`` shows it, eager and offloaded, each in a fresh process.
+
+    Measured by ``bench train``'s per-strategy processes (default allocator;
+    NOTE [ What bench train measures ]), on a model of the demo's sizes.
+    """
+    settings = replace(
+        TrainSettings(),
+        layers=cfg.layers,
+        d_model=cfg.d_model,
+        heads=cfg.heads,
+        seq=cfg.seq,
+        batch=args.batch,
+        vocab=cfg.vocab,
+        steps=1,
+        warmup=1,
+        strategies=("none", f"tierstore-{args.backend}"),
+        compression=args.compression,
+        live_pass=False,
+    )
+    with scratch_dir("tierstore-demo-rss-") as work:
+        report = bench_train(replace(settings, directory=str(work)), show_progress=False)
+    eager, offloaded = (r.peak_memory_bytes for r in report.rows)
+    ratio = f" ({offloaded / eager:.2f}x)" if eager else ""
+    return (
+        f"peak RSS above the model's own, as top shows it (each run in a fresh process, "
+        f"default allocator): eager {human_bytes(eager)}, all on disk "
+        f"{human_bytes(offloaded)}{ratio}"
+    )
 
 
 def config(args: argparse.Namespace) -> int:
@@ -159,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ... # doctest: +ELLIPSIS
         tierstore demo: ...
         max |grad diff| = 0 (bitwise equal)
+        peak RSS above the model's own, as top shows it ...
         0
     """
     parser = build_parser()
