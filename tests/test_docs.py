@@ -32,13 +32,18 @@ MODULES = [
     "tierstore.cli",
     "tierstore.codec",
     "tierstore.config",
+    "tierstore.entry",
     "tierstore.errors",
     "tierstore.handle",
     "tierstore.hooks",
     "tierstore.pipeline",
+    "tierstore.readahead",
     "tierstore.schedule",
+    "tierstore.sizing",
     "tierstore.stats",
     "tierstore.store",
+    "tierstore.transfers",
+    "tierstore.writebehind",
 ]
 
 
