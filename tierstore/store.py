@@ -170,8 +170,8 @@ class TierManager:
             self.check_open()
             self._writes.raise_failure()
             self._packed += 1
-            dedupe_key = _dedupe_key(t)
             storage = t.untyped_storage()
+            dedupe_key = _dedupe_key(t, storage)
             entry = self._deduplicated_entry(dedupe_key, storage)
             if entry is not None:
                 return self._handle(entry, t)
@@ -501,10 +501,10 @@ class TierManager:
             entry.probe = None
 
 
-def _dedupe_key(t: torch.Tensor) -> tuple[Any, ...]:
+def _dedupe_key(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[Any, ...]:
     """What makes two saves the same bytes: storage address, view, dtype, device, version."""
     return (
-        t.untyped_storage().data_ptr(),
+        storage.data_ptr(),
         t.storage_offset(),
         tuple(t.shape),
         tuple(t.stride()),
