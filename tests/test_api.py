@@ -97,7 +97,16 @@ LAYERS = {
     "stats": {"config"},
     # In flight: each called under the manager's lock, none imports another but
     # transfers (the copies they start) and sizing.
-    "readahead": {"codec", "config", "entry", "pipeline", "schedule", "sizing", "transfers"},
+    "readahead": {
+        "codec",
+        "config",
+        "entry",
+        "errors",
+        "pipeline",
+        "schedule",
+        "sizing",
+        "transfers",
+    },
     "writebehind": {"config", "entry", "errors", "pipeline", "sizing", "stats", "transfers"},
     "transfers": {"backends", "config", "entry", "errors"},
     "sizing": set(),

@@ -25,6 +25,7 @@ import torch
 from tierstore import codec
 from tierstore.config import TierConfig
 from tierstore.entry import Entry, TierState
+from tierstore.errors import TierstoreError
 from tierstore.schedule import Schedule
 from tierstore.sizing import InFlightLimit
 from tierstore.transfers import DeviceCopy, Transfers
@@ -216,7 +217,7 @@ class ReadAhead:
         try:
             with torch.profiler.record_function("tierstore::unpack_wait"):
                 self._pipeline.wait([future])  # NOTE [ Movers ]
-                span = future.result()  # close() waits for reads under way: never cancelled
+                span = _result(future)  # close() waits for reads under way: never cancelled
         finally:
             waited = time.perf_counter() - start
             with lock:
@@ -253,3 +254,20 @@ class ReadAhead:
         self._window.clear()
         self._demand.clear()
         self.window_bytes = 0
+
+
+def _result(future: concurrent.futures.Future[torch.Tensor]) -> torch.Tensor:
+    """The read's tensor, or its error raised afresh, with the same message and cause.
+
+    The error object is shared with the I/O thread's task, which may outlive
+    this call. Raised here as it is, its traceback would take in backward's
+    frames, and with them the graph and every entry it holds, for as long as
+    that task lives: a failed backward's entries stayed on disk after the
+    graph was dropped.
+    """
+    error = future.exception()
+    if error is None:
+        return future.result()
+    if isinstance(error, TierstoreError):
+        raise type(error)(str(error)) from error.__cause__
+    raise error
