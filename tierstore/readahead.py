@@ -8,7 +8,8 @@ host entries back to the device through the transfers. See
 Example:
     >>> from tierstore import TierConfig
     >>> from tierstore.readahead import ReadAhead
-    >>> ReadAhead(TierConfig(prefetch_bytes="64MiB"), None, None).limit.bytes
+    >>> from tierstore.schedule import Schedule
+    >>> ReadAhead(TierConfig(prefetch_bytes="64MiB"), None, None, Schedule(), {}).limit.bytes
     16777216
 """
 
@@ -31,7 +32,7 @@ from tierstore.sizing import InFlightLimit
 from tierstore.transfers import DeviceCopy, Transfers
 
 if TYPE_CHECKING:
-    from tierstore.pipeline import Pipeline
+    from tierstore.pipeline import Pipeline, Record
 
 __all__ = ["ReadAhead"]
 
@@ -59,7 +60,8 @@ class ReadAhead:
     Example:
         >>> from tierstore import TierConfig
         >>> from tierstore.readahead import ReadAhead
-        >>> ra = ReadAhead(TierConfig(prefetch_bytes="1GiB"), None, None)
+        >>> from tierstore.schedule import Schedule
+        >>> ra = ReadAhead(TierConfig(prefetch_bytes="1GiB"), None, None, Schedule(), {})
         >>> ra.window_bytes, ra.limit.bytes
         (0, 16777216)
     """
@@ -69,11 +71,18 @@ class ReadAhead:
         config: TierConfig,
         pipeline: Pipeline | None,
         transfers: Transfers | None,
+        schedule: Schedule,
+        entries: Mapping[int, Entry],
+        *,
         disk: TierState | None = None,
     ) -> None:
         self._pipeline = pipeline
         self._transfers = transfers
-        self._disk = disk  # the tier manager's: its bytes_read counts what is read
+        # The tier manager's own: the plan to read ahead in, the entries it
+        # names, and the disk tier whose bytes_read counts what is read.
+        self._schedule = schedule
+        self._entries = entries
+        self._disk = disk
         self.limit = InFlightLimit(int(config.prefetch_bytes), _START_BYTES, _MIN_BYTES)
         self._window: dict[int, tuple[concurrent.futures.Future[torch.Tensor] | DeviceCopy, int]]
         self._window = {}
@@ -104,14 +113,14 @@ class ReadAhead:
         if ahead is not None:
             self._forget(ahead)
 
-    def top_up(self, schedule: Schedule, entries: Mapping[int, Entry]) -> None:
+    def top_up(self) -> None:
         """Queue reads in schedule order up to the window's limit (NOTE [ Prefetch ])."""
         assert self._pipeline is not None and self._transfers is not None
         while self.window_bytes < self.limit.bytes:
-            key = schedule.next_planned()
+            key = self._schedule.next_planned()
             if key is None:
                 return
-            entry = entries.get(key)
+            entry = self._entries.get(key)
             if entry is None or key in self._window or entry.read_back() is not None:
                 continue
             if entry.tier == "host" and entry.device.type == "cuda":
@@ -131,10 +140,12 @@ class ReadAhead:
             self._window[key] = (ahead, entry.nbytes)
             self.window_bytes += entry.nbytes
 
-    def _read(self, entry: Entry, source: object) -> concurrent.futures.Future[torch.Tensor]:
+    def _read(
+        self, entry: Entry, source: Record | concurrent.futures.Future[Record]
+    ) -> concurrent.futures.Future[torch.Tensor]:
         assert self._pipeline is not None and self._transfers is not None
         alloc = self._transfers.allocator(entry.device)
-        return self._pipeline.submit_read(entry.key, source, alloc)  # type: ignore[arg-type]
+        return self._pipeline.submit_read(entry.key, source, alloc)
 
     # -- unpack --------------------------------------------------------------------
 
@@ -143,8 +154,6 @@ class ReadAhead:
         entry: Entry,
         span: torch.Tensor,
         layout: codec.Layout,
-        schedule: Schedule,
-        entries: Mapping[int, Entry],
     ) -> torch.Tensor:
         """A host entry back on its CUDA device (NOTE [ Prefetch ])."""
         assert self._transfers is not None
@@ -154,7 +163,7 @@ class ReadAhead:
             if ahead is not None:
                 self._forget(ahead)
             self.hits += 1
-            self.top_up(schedule, entries)
+            self.top_up()
             return cached
         if isinstance(ahead, DeviceCopy):
             self.hits += 1
@@ -164,11 +173,11 @@ class ReadAhead:
             copy = self._transfers.device_copy(span, entry.device, entry.ready)
         # Remembered first, so that the top-up does not copy this entry again.
         out = entry.remember(codec.from_span(Transfers.consume(copy), layout))
-        self.top_up(schedule, entries)
+        self.top_up()
         return out
 
     def from_disk(
-        self, entry: Entry, schedule: Schedule, entries: Mapping[int, Entry], *, first: bool
+        self, entry: Entry, *, first: bool
     ) -> torch.Tensor | concurrent.futures.Future[torch.Tensor]:
         """A disk entry: the tensor if memory has it, else the read to wait for, unlocked."""
         assert self._transfers is not None and entry.layout is not None
@@ -179,7 +188,7 @@ class ReadAhead:
             if ahead is not None:
                 self._forget(ahead)
             self.hits += 1
-            self.top_up(schedule, entries)
+            self.top_up()
             if cached is not None:
                 return cached
             assert in_memory is not None
@@ -202,7 +211,7 @@ class ReadAhead:
                 self.first_waits += 1
             else:
                 self.limit.stalled()
-        self.top_up(schedule, entries)
+        self.top_up()
         return future
 
     def finish(

@@ -136,7 +136,14 @@ class TierManager:
         # dropped without close().
         self._finalizer = weakref.finalize(self, _close_movers, self._pipeline, self._transfers)
         self._schedule = Schedule()
-        self._reads = ReadAhead(config, self._pipeline, self._transfers, self._tiers["disk"])
+        self._reads = ReadAhead(
+            config,
+            self._pipeline,
+            self._transfers,
+            self._schedule,
+            self._entries,
+            disk=self._tiers["disk"],
+        )
         self._writes = WriteBehind(
             config, self._pipeline, self._transfers, self._tiers, self._entries
         )
@@ -231,8 +238,8 @@ class TierManager:
                 self._tiers["host"].read += entry.nbytes
                 if span.device == entry.device:  # CPU: the host tier is the device's memory
                     return codec.from_span(span, layout, self._transfers.allocator(span.device))
-                return self._reads.from_host(entry, span, layout, self._schedule, self._entries)
-            got = self._reads.from_disk(entry, self._schedule, self._entries, first=first)
+                return self._reads.from_host(entry, span, layout)
+            got = self._reads.from_disk(entry, first=first)
         if isinstance(got, torch.Tensor):
             return got
         return self._reads.finish(entry, got, self._lock)  # waits outside the lock
