@@ -5,9 +5,18 @@ NOTE [ Extent allocation ]
 Backward frees saved tensors newest first, so space is managed as a stack:
 a bump pointer ``top`` hands out new extents, and freeing the extent that
 ends at ``top`` just lowers it; both are O(1). Anything freed out of order
-goes to a free list of coalesced extents below ``top``, which is searched
-first-fit only when the stack has no room left. When ``top`` comes down to
-the highest free extent, that extent is folded back into the stack.
+goes to a free list of coalesced extents below ``top``. When ``top`` comes
+down to the highest free extent, that extent is folded back into the stack.
+
+A new extent comes from the free list first (first fit, lowest offset),
+and from ``top`` only when no free extent fits. Freed in the order they
+were taken (a queue: the write staging of forward, the read-ahead window
+of backward), extents would otherwise walk ``top`` across the whole region
+while little of it is in use, and every page they pass stays resident
+(NOTE [ Leased buffers ] in host.py) or grows the spill file. Reusing the
+lowest free space keeps the touched part of the region near the most that
+was ever in use at once. In the stack pattern the free list is empty, so
+both paths stay O(1) there.
 """
 
 from __future__ import annotations
@@ -58,10 +67,6 @@ class ExtentAllocator:
 
     def allocate(self, nbytes: int) -> int | None:
         """The offset of a new extent of ``nbytes``, or ``None`` if none fits."""
-        if self.top + nbytes <= self.capacity:
-            offset = self.top
-            self.top += nbytes
-            return offset
         for i, length in enumerate(self._lengths):
             if length >= nbytes:
                 offset = self._offsets[i]
@@ -72,6 +77,10 @@ class ExtentAllocator:
                     self._offsets[i] = offset + nbytes
                     self._lengths[i] = length - nbytes
                 return offset
+        if self.top + nbytes <= self.capacity:
+            offset = self.top
+            self.top += nbytes
+            return offset
         return None
 
     def free(self, offset: int, nbytes: int) -> None:

@@ -292,3 +292,94 @@ def test_gradients_are_exact_with_pooled_buffers(
         for _ in range(2):
             compare_with_eager(build, store)
         assert _in_use(store) == 0
+
+
+# -- write staging (NOTE [ Write staging ]) ---------------------------------------------
+
+
+def _gated_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Disk writes wait for the returned event (or 5 s)."""
+    gate = threading.Event()
+    original = FileBackend._store
+
+    def gated(self: FileBackend, *args: Any) -> None:
+        gate.wait(5)
+        original(self, *args)
+
+    monkeypatch.setattr(FileBackend, "_store", gated)
+    return gate
+
+
+def test_a_queued_write_lets_go_of_the_callers_memory_at_once(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = _gated_writes(monkeypatch)
+    x = torch.randn(64 * 1024, requires_grad=True)  # 256 KiB
+    with tierstore.TierStore(_config(spill_root)) as store:
+        with store.offload():
+            h = x * 2
+            y = h.sin()  # saves h, which forward then drops
+        expected = h.detach().cos()
+        h_storage = h.untyped_storage()._weak_ref()
+        del h
+        gc.collect()
+        # The write still waits, yet h's memory is gone: the queue holds a copy.
+        assert torch.UntypedStorage._expired(h_storage)
+        assert store.stats().buffer_bytes_in_use == 256 * 1024
+        gate.set()
+        store.flush()
+        assert _in_use(store) == 0  # written: the copy went back to the pool
+        y.sum().backward()
+        assert torch.equal(x.grad, 2 * expected)
+        assert store.stats().buffer_misses == 0
+
+
+def test_a_full_pool_writes_from_the_callers_memory(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = _gated_writes(monkeypatch)
+    x = torch.randn(64 * 1024, requires_grad=True)
+    # The pool holds twice prefetch_bytes + write_queue_bytes: 128 KiB, less than one save.
+    config = _config(spill_root, prefetch_bytes="32KiB", write_queue_bytes="32KiB")
+    with tierstore.TierStore(config) as store:
+        with store.offload():
+            y = x.exp()
+        gate.set()
+        store.flush()
+        assert store.stats().buffer_misses == 1  # no copy: written from y itself
+        y.sum().backward()
+        assert torch.equal(x.grad, x.detach().exp())
+
+
+def test_staged_writes_keep_the_eager_version_check(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = _gated_writes(monkeypatch)
+    x = torch.randn(64 * 1024, requires_grad=True)
+    with tierstore.TierStore(_config(spill_root)) as store:
+        with store.offload():
+            y = x.exp()
+        with torch.no_grad():
+            y.add_(1)  # after the copy was taken: eager raises at backward, so must we
+        gate.set()
+        with pytest.raises(tierstore.TierstoreError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+def test_queued_buffers_reuse_the_lowest_free_space() -> None:
+    # Leases freed in the order they were taken (the write queue, the read
+    # window) reuse the start of the chunk instead of walking across it:
+    # NOTE [ Extent allocation ].
+    from tierstore.backends.host import HostPool
+
+    pool = HostPool(capacity=64 * MIB, step=64 * MIB, pin=False)
+    queue = [pool.take(MIB) for _ in range(3)]
+    ends = []
+    for _ in range(100):
+        pool.give(queue.pop(0))
+        block = pool.take(MIB)
+        assert block is not None
+        queue.append(block)
+        ends.append(block.offset + block.length)
+    assert max(ends) <= 4 * MIB  # never more than one block past the three in flight
+    pool.close()

@@ -407,7 +407,7 @@ class TierManager:
             span, layout = codec.to_span(entry.tensor, self._transfers.allocator(entry.device))
         else:
             span, layout = entry.span()
-        self._transfers.to_host(entry, span)
+        self._transfers.to_host(entry, span, staged=True)
         entry.layout = layout
         entry.tier = "disk"
         entry.footprint = reserve

@@ -217,9 +217,27 @@ class Transfers:
                 ready.record(streams.d2h)
         return HostCopy(host, ready, block)
 
-    def to_host(self, entry: Entry, span: torch.Tensor) -> None:
-        """Rest ``entry``'s bytes in host memory: a copy off the device, or the span itself."""
-        copy = self.host_copy(span)
+    def stage(self, span: torch.Tensor) -> torch.Tensor:
+        """A copy of a CPU span in a leased buffer; the span itself when the pool is full.
+
+        NOTE [ Write staging ] in tierstore/writebehind.py.
+        """
+        nbytes = span.numel() * span.element_size()
+        buf = self._pool(pinned=False).lease(nbytes)
+        if buf is None:
+            return span
+        return buf.view(span.dtype).copy_(span)
+
+    def to_host(self, entry: Entry, span: torch.Tensor, *, staged: bool = False) -> None:
+        """Rest ``entry``'s bytes in host memory: a copy off the device, or the span itself.
+
+        ``staged``: a CPU span that is still the caller's memory is copied into
+        a leased buffer (NOTE [ Write staging ] in tierstore/writebehind.py).
+        """
+        if staged and span.device.type == "cpu" and entry.probe is not None:
+            copy = HostCopy(self.stage(span))
+        else:
+            copy = self.host_copy(span)
         if copy.tensor is span:
             entry.tensor = span  # already host memory (CPU, or an entry on the host tier)
             return

@@ -46,6 +46,23 @@ __all__ = ["WriteBehind"]
 # the lock released, for the oldest write; the wait is counted in
 # stats().pack_wait_s. A failed write loses nothing: NOTE [ Failed writes ].
 
+# NOTE [ Write staging ]
+# On a CPU, a saved tensor queued for the disk would keep the caller's own
+# memory until its write ends: forward goes on allocating around it, and
+# glibc, which hands freed heap memory back only from the top of the heap,
+# keeps what it grew to (measured: forward's RSS ~50-120 MiB above a hook
+# that writes synchronously, with the same live bytes). So a write queued
+# behind forward first copies the span into a leased buffer
+# (Transfers.stage; NOTE [ Leased buffers ] in tierstore/backends/host.py)
+# and lets go of the original, as a D2H copy does on CUDA: the caller's
+# memory is freed when forward drops it, as in eager, and the queue's bytes
+# live in pages tierstore recycles (lowest free extent first: NOTE [ Extent
+# allocation ]) and hands back between steps. The copy runs at memory speed
+# on the caller's thread; the O_DIRECT bounce copy on the I/O thread is
+# unchanged. Spans that are already a copy (a compact copy of a view, a
+# pinned block) and CPU entries of the host tier are not copied again; a
+# full pool writes from the original, as before.
+
 # NOTE [ Failed writes ]
 # A write that fails (ENOSPC, EIO, a full LMDB map) has put nothing on the
 # disk, and its bytes are still in entry.tensor, so the entry moves to the host
