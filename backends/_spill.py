@@ -66,23 +66,40 @@ make a sweep delete what is not ours. So:
   unlinked, never followed.
 
 Nothing is checked against the superuser: every check above trusts uid 0.
+
+NOTE [ Spill directory in memory ]
+
+The disk tier exists to take saved tensors out of memory. A ``root`` on a
+filesystem that lives in RAM (tmpfs, ramfs: ``/dev/shm``, and ``/tmp`` on
+many distributions, which is where the default ``disk_path`` points) turns
+every byte spilled into a byte of memory again, and the page cache's at
+that. That is not an error (it works, and a test or a machine with RAM to
+spare may want it), so the store says it once, with a
+:class:`~tierstore.TierstoreWarning` naming ``disk_path``, when it creates
+its spill directory: once per store, since a store makes one. The
+filesystem type comes from statfs(2) (``f_type``), which Python's
+``os.statvfs`` does not expose; where it cannot be asked (not Linux, no
+libc), nothing is said.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import os
 import secrets
 import shutil
 import stat
+import sys
+import warnings
 import weakref
 from pathlib import Path
 
-from tierstore.errors import ConfigError
+from tierstore.errors import ConfigError, TierstoreWarning
 
-__all__ = ["SpillDir"]
+__all__ = ["SpillDir", "memory_filesystem"]
 
 _LOCK_NAME = ".lock"
 _LOCK_TMP_NAME = ".lock-setup"
@@ -92,6 +109,55 @@ _NAME_TRIES = 100
 
 _HINT = "set disk_path (TIERSTORE_DISK_PATH) to a writable local directory"
 _OWN_HINT = "set disk_path (TIERSTORE_DISK_PATH) to a local directory you own"
+
+
+#: statfs(2) ``f_type`` of the filesystems that live in memory (linux/magic.h).
+_MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+#: Bytes enough for any ``struct statfs`` (120 on 64-bit Linux); ``f_type`` comes first.
+_STATFS_BYTES = 256
+
+
+def memory_filesystem(path: str | os.PathLike[str]) -> str | None:
+    """``"tmpfs"`` or ``"ramfs"`` if ``path`` is on a filesystem in RAM, else ``None``.
+
+    ``None`` too where statfs(2) cannot be asked (not Linux) or fails.
+
+    Example:
+        >>> import os
+        >>> from tierstore.backends._spill import memory_filesystem
+        >>> memory_filesystem("/proc") is None  # procfs: not where bytes rest
+        True
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        statfs = ctypes.CDLL(None, use_errno=True).statfs
+    except (OSError, AttributeError):  # pragma: no cover - every Linux libc has it
+        return None
+    statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    buf = ctypes.create_string_buffer(_STATFS_BYTES)
+    if statfs(os.fsencode(path), buf) != 0:
+        return None
+    # f_type is a long on 64-bit Linux and an int on 32-bit: read the word, keep 32 bits.
+    f_type = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+    return _MEMORY_FILESYSTEMS.get(f_type)
+
+
+def _warn_if_in_memory(root: Path, resolved: Path) -> None:
+    """NOTE [ Spill directory in memory ]: one TierstoreWarning when ``resolved`` is in RAM."""
+    kind = memory_filesystem(resolved)
+    if kind is None:
+        return
+    where = f"disk_path='{root}'" if resolved == root else f"disk_path='{root}' (-> '{resolved}')"
+    warnings.warn(
+        TierstoreWarning(
+            f"tierstore: {where} is on {kind}, a filesystem in memory: the disk tier there "
+            "takes RAM for every byte it holds and frees none; set disk_path "
+            "(TIERSTORE_DISK_PATH) to a directory on a local disk"
+        ),
+        stacklevel=3,
+    )
 
 
 def _rank_part() -> str:
@@ -304,6 +370,10 @@ class SpillDir:
             security ]`` (another user's symlink or directory, or a
             world-writable directory without the sticky bit).
 
+    Warns:
+        TierstoreWarning: ``root`` is on a filesystem in memory (tmpfs,
+            ramfs): ``NOTE [ Spill directory in memory ]``.
+
     Example:
         >>> import os, tempfile
         >>> from pathlib import Path
@@ -327,6 +397,7 @@ class SpillDir:
             _make_dirs(root)
             # Resolved once: NOTE [ Spill directory security ].
             resolved = _checked_root(root)
+            _warn_if_in_memory(root, resolved)
             self.removed_stale = _sweep_stale(resolved, prefix)
             path = _make_private_dir(resolved, f"{prefix}{_rank_part()}{os.getpid()}-")
         except OSError as e:

@@ -1,22 +1,53 @@
-"""The ``file`` disk backend: one preallocated file, positional aligned I/O, ``O_DIRECT``.
+"""The ``file`` disk backend: one file grown on demand, positional aligned I/O, ``O_DIRECT``.
 
 NOTE [ File backend allocation ]
 
-All records live in one file, ``entries.bin``, preallocated to the budget
-when the backend starts, so that a full disk shows up at once, as a clear
-error, and not halfway through a training step. A record takes a run of
+All records live in one file, ``entries.bin``. A record takes a run of
 bytes starting on a multiple of :data:`ALIGN` and rounded up to one, so that
 ``O_DIRECT`` (``NOTE [ File backend O_DIRECT ]``) can write and read it in
 whole aligned blocks.
 
 Space in the file is handed out by an
 :class:`~tierstore.backends._extents.ExtentAllocator` (``NOTE [ Extent
-allocation ]``): a stack for the newest-first frees of backward, and a
-coalesced free list for the rest.
+allocation ]``) over the whole budget: a stack for the newest-first frees of
+backward, and a coalesced free list for the rest. The file itself only
+covers what has been handed out (``NOTE [ File backend growth ]``).
 
 I/O happens outside the lock: extents of live records never overlap, so two
 threads never touch the same bytes. The positional calls (``pwritev`` /
 ``preadv``) keep no file offset, so no seek races either.
+
+NOTE [ File backend growth ]
+
+The file starts empty and grows when a record would end past it, never
+beyond the budget. (It used to be preallocated to the whole budget at the
+first spill: 32 GiB of disk, by default, for a step that spilled 9 MiB.)
+Each growth asks the filesystem first (``fstatvfs``): ext4 can allocate part
+of a request before it fails with ENOSPC, and glibc emulates fallocate by
+writing blocks where the filesystem lacks it; either would fill the disk for
+other processes. The grown range is then reserved with fallocate(2), so that
+a full disk shows up as a clear :class:`~tierstore.TierFullError` at the
+growth (naming ``disk_budget``, the directory and the free space) and never
+as an ENOSPC halfway through a record; a filesystem without fallocate gets a
+sparse extension instead. A failed growth stores nothing: the write fails,
+and the store keeps the entry in host memory (``NOTE [ Failed writes ]``).
+
+The step is geometric: the file grows by its own size, at least
+:data:`_MIN_GROWTH`, and at least to the end of the record that needs it,
+capped by the budget. So a spill of ``S`` bytes costs about
+``log2(S / 16 MiB) + 1`` growths (8 for 2 GiB, 12 for the default 32 GiB
+budget), each one fallocate call that reserves extents without writing
+them, while the file never holds more than twice the high-water mark of the
+spill (or 16 MiB past it): a spill of a few MiB takes 16 MiB of disk. A
+fixed step would cost one growth per step (hundreds for a large spill);
+growing to each record's end, one per record.
+When the free space cannot take the full step but can take the record, the
+file grows just to the record's end: the disk's last bytes are used before
+the store calls it full. The file never shrinks while the store is open:
+the next training step spills as much again, and a file shrunk after
+backward would grow again during the next forward. Growth runs outside the
+backend's lock, under one of its own, so reads, frees and other writes go
+on meanwhile; a record is written only once the file covers it.
 
 NOTE [ File backend O_DIRECT ]
 
@@ -26,9 +57,10 @@ and evicts pages other processes want. So where the filesystem accepts it,
 the backend opens ``entries.bin`` a second time with ``O_DIRECT`` and does
 all its I/O there, from the device straight to memory. The open and a test
 write and read of one block (in the first record slot, before any record
-exists) decide; where either fails (a filesystem without ``O_DIRECT``,
-EINVAL at the first aligned write) the backend keeps the buffered descriptor
-and says nothing: :attr:`FileBackend.direct` tells which path is in use.
+exists; the file is cut back to empty after) decide; where either fails (a
+filesystem without ``O_DIRECT``, EINVAL at the first aligned write) the
+backend keeps the buffered descriptor and says nothing:
+:attr:`FileBackend.direct` tells which path is in use.
 
 ``O_DIRECT`` needs aligned memory, offsets and lengths. Offsets and lengths
 are aligned by allocation; memory is not (a record is a header, then a
@@ -42,9 +74,11 @@ the GIL, several times faster than the disk it feeds.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
+import threading
 import weakref
 from typing import ClassVar
 
@@ -66,6 +100,9 @@ _CHUNK = 4 << 20
 
 #: Bounce buffers at most, one per request in flight; more requests wait.
 _MAX_BUFFERS = 8
+
+#: The least a growth adds to the file: ``NOTE [ File backend growth ]``.
+_MIN_GROWTH = 16 << 20
 
 #: What the ``O_DIRECT`` probe writes and expects back.
 _PROBE = b"tierstore O_DIRECT probe".ljust(ALIGN, b"\0")
@@ -90,8 +127,10 @@ def _advance(views: list[memoryview], start: int, done: int) -> int:
     return start
 
 
-def _fallocate(fd: int, length: int) -> None:
-    """Reserve ``length`` bytes for ``fd`` with fallocate(2), or raise OSError.
+def _fallocate(fd: int, offset: int, length: int) -> None:
+    """Reserve ``length`` bytes from ``offset`` for ``fd`` with fallocate(2), or raise OSError.
+
+    The file grows to ``offset + length`` if it was shorter.
 
     Not os.posix_fallocate: where a filesystem lacks fallocate, glibc
     emulates it by writing every block, which for a large budget takes
@@ -102,17 +141,24 @@ def _fallocate(fd: int, length: int) -> None:
     if fallocate is None:  # not Linux: take the sparse file
         raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
     fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    if fallocate(fd, 0, 0, length) != 0:
+    if fallocate(fd, 0, offset, length) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
 
+def _free_bytes(fd: int) -> int:
+    """Bytes an unprivileged process may still allocate on ``fd``'s filesystem."""
+    st = os.fstatvfs(fd)
+    return st.f_bavail * st.f_frsize
+
+
 class FileBackend(Backend[int]):
-    """Records in one preallocated file, managed as a stack with a free list.
+    """Records in one file grown on demand, managed as a stack with a free list.
 
     The file, ``entries.bin``, lives in a private spill directory under
-    ``root`` and is preallocated to ``capacity_bytes`` at construction. See
-    ``NOTE [ File backend allocation ]`` for how space is handed out.
+    ``root``; it starts empty and grows in steps as records need room, up to
+    ``capacity_bytes`` (``NOTE [ File backend growth ]``). See ``NOTE [ File
+    backend allocation ]`` for how space is handed out.
 
     Where the filesystem accepts ``O_DIRECT``, reads and writes bypass the
     page cache (``NOTE [ File backend O_DIRECT ]``); :attr:`direct` says
@@ -120,12 +166,12 @@ class FileBackend(Backend[int]):
 
     Args:
         root: ``TierConfig.disk_path``: where to create the spill directory.
-        capacity_bytes: ``TierConfig.disk_budget``: the file's size. A budget
-            that is not a multiple of :data:`ALIGN` is rounded down to one.
+        capacity_bytes: ``TierConfig.disk_budget``: the most the file grows
+            to. A budget that is not a multiple of :data:`ALIGN` is rounded
+            down to one.
 
     Raises:
         ConfigError: ``root`` is unusable, or ``capacity_bytes`` is negative.
-        TierFullError: The filesystem has no room for ``capacity_bytes``.
 
     Example:
         >>> import tempfile
@@ -136,8 +182,12 @@ class FileBackend(Backend[int]):
         8192
         >>> backend.direct in (True, False)  # O_DIRECT where the filesystem allows it
         True
+        >>> backend.file_bytes  # nothing on disk before the first record
+        0
         >>> backend.write(1, [b"saved", b" activation"])
         4096
+        >>> backend.file_bytes  # grown to cover it, within the budget
+        8192
         >>> out = bytearray(16)
         >>> backend.read_into(1, [memoryview(out)])
         >>> bytes(out)
@@ -162,16 +212,16 @@ class FileBackend(Backend[int]):
                 f"tierstore: cannot create the spill file {self._path}: {e}; "
                 "set disk_path (TIERSTORE_DISK_PATH) to a writable local directory"
             ) from e
-        try:
-            self._preallocate(fd)
-        except BaseException:
-            os.close(fd)
-            raise
         self._fd = fd
+        self._file_bytes = 0  # NOTE [ File backend growth ]
+        self._grow_lock = threading.Lock()
+        self._sparse = False  # the filesystem has no fallocate: grow by ftruncate
         # Closes the fd if the backend is dropped without close(); close() calls it.
         self._fd_finalizer = weakref.finalize(self, os.close, fd)
         self._alloc = ExtentAllocator(self._capacity)
         self._direct_fd = self._open_direct()
+        with contextlib.suppress(OSError):  # the probe's block; growth covers it anyway
+            os.ftruncate(fd, 0)  # the file holds nothing until the first record
         self._pool = AlignedBufferPool(_CHUNK, _MAX_BUFFERS)  # maps nothing until used
         self._pool_finalizer = weakref.finalize(self, self._pool.close)
         if self._direct_fd is not None:
@@ -186,6 +236,14 @@ class FileBackend(Backend[int]):
     def io_path(self) -> str:
         """``"file: O_DIRECT"`` or ``"file: buffered"`` (the fallback)."""
         return "file: O_DIRECT" if self.direct else "file: buffered"
+
+    @property
+    def file_bytes(self) -> int:
+        """The size ``entries.bin`` has grown to: ``NOTE [ File backend growth ]``.
+
+        At most :attr:`capacity_bytes`; it never shrinks while the backend is open.
+        """
+        return self._file_bytes
 
     def _open_direct(self) -> int | None:
         # An O_DIRECT descriptor on entries.bin, or None where the filesystem
@@ -217,38 +275,61 @@ class FileBackend(Backend[int]):
             return None
         return fd
 
-    def _preallocate(self, fd: int) -> None:
-        if self._capacity == 0:
+    def _cover(self, end: int) -> None:
+        """Grow the file if need be so that it holds ``[0, end)``: NOTE [ File backend growth ]."""
+        if end <= self._file_bytes:  # only ever grows: a stale read just takes the lock
             return
-        root = self._spill.path.parent
-        where = f"cannot preallocate disk_budget={human_bytes(self._budget)} in {root}"
-        # Ask first: ext4 can allocate part of a request before it fails with
-        # ENOSPC, and glibc emulates fallocate by writing blocks where the
-        # filesystem lacks it. Either would fill the disk for other processes.
-        st = os.fstatvfs(fd)
-        free = st.f_bavail * st.f_frsize
-        if self._capacity > free:
-            raise TierFullError(
-                f"tierstore: {where}: only {human_bytes(free)} free there; lower disk_budget "
-                "(TIERSTORE_DISK_BUDGET) or set disk_path to a larger disk"
-            )
-        try:
-            _fallocate(fd, self._capacity)
-        except OSError as e:
-            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                # No fallocate on this filesystem: a sparse file of the right
-                # size still works; the disk is then only claimed as we write.
-                os.ftruncate(fd, self._capacity)
+        with self._grow_lock:
+            size = self._file_bytes
+            if end > size:
+                step = -(-max(_MIN_GROWTH, size) // ALIGN) * ALIGN
+                self._grow(size, end, min(self._capacity, max(end, size + step)))
+
+    def _grow(self, size: int, end: int, target: int) -> None:
+        # Under _grow_lock, with size < end <= target <= capacity. The full
+        # step first; where the disk cannot take it, just this record's end.
+        free = _free_bytes(self._fd)
+        if target - size > free:
+            target = end
+        if target - size > free:
+            raise self._growth_error(size, end, f"only {human_bytes(free)} free there")
+        for goal in dict.fromkeys((target, end)):
+            try:
+                self._extend(size, goal)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise
+                if goal == end:
+                    raise self._growth_error(size, end, e.strerror or str(e)) from e
+                continue
+            self._file_bytes = goal
+            return
+
+    def _extend(self, size: int, goal: int) -> None:
+        """Make the file ``goal`` bytes long, reserving the new blocks where it can."""
+        if not self._sparse:
+            try:
+                _fallocate(self._fd, size, goal - size)
                 return
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise TierFullError(
-                    f"tierstore: {where}: {e.strerror}; lower disk_budget "
-                    "(TIERSTORE_DISK_BUDGET) or set disk_path to a larger disk"
-                ) from e
-            raise TierstoreError(
-                f"tierstore: {where}: {e.strerror}; set disk_path "
-                "(TIERSTORE_DISK_PATH) to a writable local directory"
-            ) from e
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    # ext4 may have allocated part of the range: give it back.
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(self._fd, size)
+                    raise
+            # No fallocate on this filesystem: a sparse extension still works;
+            # the disk is then only claimed as records are written.
+            self._sparse = True
+        os.ftruncate(self._fd, goal)
+
+    def _growth_error(self, size: int, end: int, why: str) -> TierFullError:
+        root = self._spill.path.parent
+        return TierFullError(
+            f"tierstore: cannot grow the disk tier's file from {human_bytes(size)} to "
+            f"{human_bytes(end)} in {root} (disk_budget={human_bytes(self._budget)}): {why}; "
+            "set disk_path (TIERSTORE_DISK_PATH) to a disk with more room, or lower "
+            "disk_budget (TIERSTORE_DISK_BUDGET) to what this one holds"
+        )
 
     def _close_storage(self) -> None:
         self._pool_finalizer()
@@ -279,6 +360,7 @@ class FileBackend(Backend[int]):
         try:
             if not views:
                 return
+            self._cover(place + self._footprint(length))
             if self._direct_fd is not None:
                 self._store_direct(self._direct_fd, place, views)
                 return

@@ -34,6 +34,9 @@ def _manager(copies: list[int], **config: object) -> TierManager:
         return DeviceCopy(span.clone(), None)
 
     manager._transfers.device_copy = fake_copy  # type: ignore[method-assign]
+    # Placed as GPU entries are: CPU tensors would skip the host tier while
+    # there is a disk tier (NOTE [ CPU tensors skip the host tier ]).
+    manager._skips = lambda entry, tier: False  # type: ignore[method-assign]
     return manager
 
 

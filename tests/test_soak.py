@@ -58,8 +58,8 @@ def test_fifty_steps_on_disk_stay_flat(backend: str, tmp_path: Path) -> None:
         assert row.low == row.high == row.baseline, (name, row)
     for name in ("spill allocated bytes", "spill logical bytes"):
         row = _row(result, name)
-        if backend == "file":  # preallocated to the budget
-            assert row.high == row.baseline >= result.store["disk_budget"], (name, row)
+        if backend == "file":  # grown on demand by the first steps, within the budget
+            assert row.high == row.baseline <= result.store["disk_budget"], (name, row)
         else:  # NOTE [ What bench soak measures ]: LMDB's file may creep up to its map
             assert row.high <= result.store["lmdb_map_size"], (name, row)
     assert _row(result, "spill allocated bytes").baseline > 0  # the disk tier was used

@@ -29,18 +29,22 @@ def _keys(mgr: TierManager, tier: str) -> list[int]:
     return sorted(mgr._tiers[tier].entries)  # type: ignore[index]
 
 
-def test_newest_stay_fastest_oldest_demoted(spill_root: Path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)])
+def test_newest_stay_fastest_oldest_demoted(spill_root: Path, device: str) -> None:
     mgr = _manager(spill_root, device_budget=3 * 4096, host_budget=2 * 4096, disk_budget="1MiB")
-    tensors = [torch.full((KIB4,), float(i)) for i in range(8)]
+    tensors = [torch.full((KIB4,), float(i), device=device) for i in range(8)]
     handles = [mgr.put(t) for t in tensors]
     mgr.flush()
+    # CPU tensors skip the host tier while there is a disk tier: it is their own RAM.
+    host = [3, 4] if device == "cuda" else []
     assert _keys(mgr, "device") == [5, 6, 7]
-    assert _keys(mgr, "host") == [3, 4]
-    assert _keys(mgr, "disk") == [0, 1, 2]
+    assert _keys(mgr, "host") == host
+    assert _keys(mgr, "disk") == [k for k in range(5) if k not in host]
     stats = mgr.stats()
     assert stats.tiers["device"].bytes == 3 * 4096
-    assert stats.tiers["host"].bytes == 2 * 4096
-    assert stats.tiers["disk"].bytes == 3 * (4096 + 4096)  # header page rounding: 2 pages each
+    assert stats.tiers["host"].bytes == len(host) * 4096
+    # Header page rounding: 2 pages each.
+    assert stats.tiers["disk"].bytes == (5 - len(host)) * (4096 + 4096)
     for t, h in zip(tensors, handles, strict=True):
         assert torch.equal(mgr.get(h), t)
     del handles, h
@@ -69,9 +73,9 @@ def test_tensor_that_fits_no_tier(spill_root: Path) -> None:
 
 
 def test_full_disk_raises_and_loses_nothing(spill_root: Path) -> None:
-    mgr = _manager(spill_root, device_budget=0, host_budget=4096, disk_budget=16 * 1024)
+    mgr = _manager(spill_root, device_budget=4096, disk_budget=16 * 1024)
     tensors = [torch.full((KIB4,), float(i)) for i in range(3)]
-    handles = [mgr.put(t) for t in tensors]  # host: [2], disk: [0, 1] at 8 KiB each
+    handles = [mgr.put(t) for t in tensors]  # device: [2], disk: [0, 1] at 8 KiB each
     mgr.flush()  # written bytes count when a write ends: settle them before comparing
     before = mgr.stats()
     with pytest.raises(tierstore.TierFullError) as info:

@@ -69,7 +69,7 @@ def demo(args: argparse.Namespace) -> int:
             min_offload_bytes=0,
         )
         with TierStore(config) as store:
-            _step(model, tokens, store)  # warm-up: opens and preallocates the spill file
+            _step(model, tokens, store)  # warm-up: opens the spill file and grows it
             before = store.stats()
             offload_s, after_forward = _step(model, tokens, store)
             after_backward = store.stats()

@@ -197,6 +197,17 @@ class TierConfig(BaseSettings):
     Fields not given as arguments come from the environment, then the TOML
     file, then the defaults (see the module docstring).
 
+    A saved tensor goes to the fastest tier with room: ``device`` (left where
+    autograd made it, up to ``device_budget``), ``host`` (host memory, up to
+    ``host_budget``), ``disk`` (up to ``disk_budget``). For a tensor on the
+    CPU the host tier is the same RAM, so while ``disk_budget > 0`` CPU
+    tensors beyond ``device_budget`` go straight to disk, whatever
+    ``host_budget`` says: ``device_budget`` is what keeps CPU tensors in RAM.
+    With ``disk_budget=0`` they use the host tier as before. The host tier
+    keeps its meaning for accelerator (CUDA) tensors. On a CPU-only machine
+    the defaults therefore put every saved tensor of ``min_offload_bytes`` or
+    more on disk.
+
     Example:
         >>> from tierstore import TierConfig
         >>> cfg = TierConfig(device_budget=0, host_budget=0, disk_budget="1GiB")
@@ -216,11 +227,13 @@ class TierConfig(BaseSettings):
 
     device_budget: Size = Field(
         default=ByteSize(0),
-        description="Bytes of saved tensors left on the compute device (the newest ones).",
+        description="Bytes of saved tensors left on the compute device (the newest ones); "
+        "for CPU tensors, the bytes kept in RAM as they are.",
     )
     host_budget: Size = Field(
         default=ByteSize(8 << 30),
-        description="Bytes of saved tensors held in host memory (pinned when CUDA is present).",
+        description="Bytes of saved accelerator tensors held in host memory (pinned when CUDA "
+        "is present). CPU tensors skip it while disk_budget > 0: it is their own RAM.",
     )
     pin_memory: bool = Field(
         default=True,
@@ -232,14 +245,15 @@ class TierConfig(BaseSettings):
     )
     disk_budget: Size = Field(
         default=ByteSize(32 << 30),
-        description="Bytes of saved tensors on local disk; the file backend preallocates this.",
+        description="Bytes of saved tensors on local disk; the file backend grows its file "
+        "on demand up to this.",
     )
     disk_path: Path = Field(
         default_factory=lambda: Path(tempfile.gettempdir()),
         description="Directory under which a private spill directory is created.",
     )
     disk_backend: Literal["file", "lmdb"] = Field(
-        default="file", description="How bytes rest on disk: one preallocated file, or LMDB."
+        default="file", description="How bytes rest on disk: one file grown on demand, or LMDB."
     )
     min_offload_bytes: Size = Field(
         default=ByteSize(64 << 10),

@@ -59,6 +59,20 @@ __all__ = ["TierManager", "resting_nbytes"]
 # An entry moves only after it has landed below: if the disk refuses it, it
 # stays where it was and the save that needed the room raises TierFullError.
 
+# NOTE [ CPU tensors skip the host tier ]
+# For a tensor on the CPU, the host tier is the same RAM it already sits in:
+# a host "copy" frees nothing. So while there is a disk tier (disk_budget >
+# 0), a CPU entry goes from the device tier (device_budget: the bytes it may
+# keep in RAM as they are) straight to the disk. The host tier keeps its
+# meaning for accelerator tensors, and for CPU tensors only where there is no
+# disk tier (disk_budget=0: a host-only configuration, as before) and as the
+# place where an entry whose disk write failed stays (NOTE [ Failed writes ]).
+# The rule depends on values, not on where they came from: an explicit
+# host_budget does not pull CPU tensors back into RAM, since equal configs
+# describe the same store, and a fleet's TOML sizing host_budget for its GPU
+# nodes must not make a CPU run save nothing. device_budget is the setting
+# that keeps CPU tensors in RAM.
+
 # NOTE [ Version check ]
 # Eager autograd raises at backward if a saved tensor was modified in place.
 # An entry checks the version counter of (a) the tensor that was saved and
@@ -357,7 +371,7 @@ class TierManager:
         """Rest ``entry`` in the fastest tier from ``TIERS[start]`` down that can take it."""
         for tier in TIERS[start:]:
             state = self._tiers[tier]
-            if state.budget == 0:
+            if state.budget == 0 or self._skips(entry, tier):
                 continue
             if tier == "disk":
                 self._write_disk(entry)
@@ -367,6 +381,10 @@ class TierManager:
                 self._hold(entry, tier)
                 return
         raise self._no_tier_error(entry, start)
+
+    def _skips(self, entry: Entry, tier: Tier) -> bool:
+        """NOTE [ CPU tensors skip the host tier ]."""
+        return tier == "host" and entry.device.type == "cpu" and self._tiers["disk"].budget > 0
 
     def _make_room(self, tier: Tier, nbytes: int) -> None:
         state = self._tiers[tier]

@@ -34,7 +34,6 @@ from tierstore.backends import Backend, FileBackend, LmdbBackend, backend_class
 from tierstore.backends import file as file_backend
 from tierstore.backends._extents import ExtentAllocator
 from tierstore.backends.file import ALIGN
-from tierstore.config import human_bytes
 from tierstore.errors import (
     ConfigError,
     CorruptDataError,
@@ -363,11 +362,15 @@ def test_duplicate_key_is_refused_and_the_record_kept(backend: FileBackend) -> N
 # -- sizes, full disk ----------------------------------------------------------------
 
 
-def test_file_is_preallocated_to_the_aligned_budget(tmp_path: Path) -> None:
+def test_file_starts_empty_and_grows_within_the_aligned_budget(tmp_path: Path) -> None:
     b = FileBackend(tmp_path, 10_000)
     assert b.capacity_bytes == 2 * ALIGN
-    st_ = (b.directory / "entries.bin").stat()
-    assert st_.st_size == 2 * ALIGN
+    path = b.directory / "entries.bin"
+    assert path.stat().st_size == b.file_bytes == 0  # nothing claimed before a record
+    b.write(1, [b"x"])
+    st_ = path.stat()
+    # One growth step is 64 MiB at least, capped by the budget.
+    assert st_.st_size == b.file_bytes == 2 * ALIGN
     assert st_.st_blocks * 512 >= 2 * ALIGN  # really reserved, not sparse
     assert (b.footprint(0), b.footprint(1), b.footprint(ALIGN), b.footprint(ALIGN + 1)) == (
         0,
@@ -420,74 +423,132 @@ def test_record_larger_than_the_budget(tmp_path: Path) -> None:
     b.close()
 
 
-def test_preallocation_without_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_space(fd: int, length: int) -> None:
+def _growth_full(tmp_path: Path, size: str, end: str, why: str, budget: str = "64.0 MiB") -> str:
+    return (
+        f"tierstore: cannot grow the disk tier's file from {size} to {end} in {tmp_path} "
+        f"(disk_budget={budget}): {why}; set disk_path (TIERSTORE_DISK_PATH) to a disk with "
+        "more room, or lower disk_budget (TIERSTORE_DISK_BUDGET) to what this one holds"
+    )
+
+
+def test_growth_without_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, int]] = []
+
+    def no_space(fd: int, offset: int, length: int) -> None:
+        calls.append((offset, length))
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(file_backend, "_fallocate", no_space)
+    b = FileBackend(tmp_path, 64 * MiB)
     with pytest.raises(TierFullError) as info:
-        FileBackend(tmp_path, 64 * MiB)
-    assert str(info.value) == (
-        f"tierstore: cannot preallocate disk_budget=64.0 MiB in {tmp_path}: "
-        "No space left on device; lower disk_budget (TIERSTORE_DISK_BUDGET) "
-        "or set disk_path to a larger disk"
-    )
+        b.write(1, [bytes(5000)])
+    assert str(info.value) == _growth_full(tmp_path, "0 B", "8.0 KiB", "No space left on device")
     assert isinstance(info.value.__cause__, OSError)
-    assert os.listdir(tmp_path) == []  # the spill directory went with it
-
-
-def test_budget_larger_than_the_free_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    called: list[int] = []
-    monkeypatch.setattr(os, "fstatvfs", lambda fd: SimpleNamespace(f_bavail=256, f_frsize=4 * KiB))
-    monkeypatch.setattr(file_backend, "_fallocate", lambda fd, n: called.append(n))
-    with pytest.raises(TierFullError) as info:
-        FileBackend(tmp_path, 64 * MiB)
-    assert str(info.value) == (
-        f"tierstore: cannot preallocate disk_budget=64.0 MiB in {tmp_path}: "
-        "only 1.0 MiB free there; lower disk_budget (TIERSTORE_DISK_BUDGET) "
-        "or set disk_path to a larger disk"
-    )
-    assert called == []  # refused before a single block was claimed
+    # The full step, then just the record: the disk's last bytes are tried too.
+    assert calls == [(0, file_backend._MIN_GROWTH), (0, 2 * ALIGN)]
+    assert (len(b), b.used_bytes, b.file_bytes) == (0, 0, 0)  # nothing stored
+    assert (b.directory / "entries.bin").stat().st_size == 0  # a partial fallocate given back
+    b.close()
     assert os.listdir(tmp_path) == []
 
 
-def test_preallocation_refused_before_filling_the_disk(
+def test_growth_larger_than_the_free_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    called: list[tuple[int, int]] = []
+    b = FileBackend(tmp_path, 64 * MiB)
+    monkeypatch.setattr(os, "fstatvfs", lambda fd: SimpleNamespace(f_bavail=256, f_frsize=4 * KiB))
+    monkeypatch.setattr(file_backend, "_fallocate", lambda fd, o, n: called.append((o, n)))
+    with pytest.raises(TierFullError) as info:
+        b.write(1, [bytes(2 * MiB)])
+    assert str(info.value) == _growth_full(tmp_path, "0 B", "2.0 MiB", "only 1.0 MiB free there")
+    assert called == []  # refused before a single block was claimed
+    # The free space cannot take a full step, but it can take this record.
+    b.write(2, [b"fits"])
+    assert called == [(0, ALIGN)]
+    assert b.file_bytes == ALIGN
+    assert read(b, 2, [4]) == b"fits"
+    b.close()
+
+
+def test_a_budget_larger_than_the_disk_claims_only_what_is_used(tmp_path: Path) -> None:
+    # Once preallocated, this budget was refused at the first spill; grown on
+    # demand, it is fine until a growth needs more than is free.
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    b = FileBackend(tmp_path, free + 1024 * MiB)
+    b.write(1, [b"small"])
+    assert 0 < b.file_bytes <= 64 * MiB
+    assert read(b, 1, [5]) == b"small"
+    b.close()
+
+
+def test_growth_is_geometric_and_capped_by_the_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls: list[int] = []
-    monkeypatch.setattr(file_backend, "_fallocate", lambda fd, n: calls.append(n))
-    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
-    budget = free + 1024 * MiB
-    with pytest.raises(TierFullError) as info:
-        FileBackend(tmp_path, budget)
-    message = str(info.value)
-    assert message.startswith(
-        f"tierstore: cannot preallocate disk_budget={human_bytes(budget)} in {tmp_path}: only "
-    )
-    assert message.endswith(
-        " free there; lower disk_budget (TIERSTORE_DISK_BUDGET) or set disk_path to a larger disk"
-    )
-    assert calls == []  # nothing was reserved
-    assert os.listdir(tmp_path) == []
+    monkeypatch.setattr(file_backend, "_MIN_GROWTH", 4 * ALIGN)
+    calls: list[tuple[int, int]] = []
+    real = file_backend._fallocate
+
+    def counted(fd: int, offset: int, length: int) -> None:
+        calls.append((offset, length))
+        real(fd, offset, length)
+
+    monkeypatch.setattr(file_backend, "_fallocate", counted)
+    b = FileBackend(tmp_path, 25 * ALIGN)
+    sizes = []
+    for key in range(25):
+        b.write(key, [bytes([key]) * 100])
+        sizes.append(b.file_bytes // ALIGN)
+    # 4 blocks at least, then the file's own size again, then the budget.
+    assert sorted(set(sizes)) == [4, 8, 16, 25]
+    assert calls == [
+        (0, 4 * ALIGN),
+        (4 * ALIGN, 4 * ALIGN),
+        (8 * ALIGN, 8 * ALIGN),
+        (16 * ALIGN, 9 * ALIGN),
+    ]
+    with pytest.raises(TierFullError):
+        b.write(99, [b"x"])
+    assert (b.directory / "entries.bin").stat().st_size == 25 * ALIGN  # never past the budget
+    for key in range(25):
+        b.delete(key)
+    assert len(calls) == 4  # freed space is reused: the file never shrinks nor regrows
+    assert b.write(100, [bytes(20 * ALIGN)]) == 20 * ALIGN
+    assert len(calls) == 4
+    b.close()
+
+
+def test_growth_jumps_to_a_large_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(file_backend, "_MIN_GROWTH", 4 * ALIGN)
+    b = FileBackend(tmp_path, 64 * ALIGN)
+    b.write(1, [bytes(10 * ALIGN)])
+    assert b.file_bytes == 10 * ALIGN  # to the record's end: more than one step
+    b.write(2, [b"x"])
+    assert b.file_bytes == 20 * ALIGN  # then the file's own size again
+    b.close()
 
 
 def test_fallocate_reserves_real_blocks(tmp_path: Path) -> None:
     b = FileBackend(tmp_path, 4 * MiB)
+    b.write(1, [b"x"])
     st = (b.directory / "entries.bin").stat()
     assert st.st_size == 4 * MiB and st.st_blocks * 512 >= 4 * MiB
     b.close()
 
 
-def test_preallocation_falls_back_to_ftruncate(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def unsupported(fd: int, length: int) -> None:
+def test_growth_falls_back_to_ftruncate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        calls.append(length)
         raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
 
+    monkeypatch.setattr(file_backend, "_MIN_GROWTH", 4 * ALIGN)
     monkeypatch.setattr(file_backend, "_fallocate", unsupported)
     b = FileBackend(tmp_path, 64 * KiB)
-    assert (b.directory / "entries.bin").stat().st_size == 64 * KiB
     b.write(1, [b"sparse is fine"])
+    assert (b.directory / "entries.bin").stat().st_size == 16 * KiB
+    b.write(2, [bytes(20 * KiB)])
+    assert (b.directory / "entries.bin").stat().st_size == 32 * KiB
+    assert calls == [16 * KiB]  # asked once: the filesystem has no fallocate
     assert read(b, 1, [14]) == b"sparse is fine"
     b.close()
 

@@ -18,13 +18,13 @@ NOTE [ What bench soak measures ]
   anonymous RSS (resident minus shared pages of ``/proc/self/statm``: file
   pages such as LMDB's map and the page cache are not counted), and the
   spill directory: files, logical size (``st_size``) and allocated size
-  (``st_blocks * 512``; the ``file`` backend preallocates, so the logical
-  size alone would not show it growing).
+  (``st_blocks * 512``; the ``file`` backend reserves the blocks of each
+  growth with fallocate, so the logical size alone would not show them).
 * Flat means: after the warm-up (``--warmup``, default the first 10% of the
   steps, at least 5), against the value at the last warm-up step: file
   descriptors, threads and spill files never differ; the spill's logical
-  and allocated bytes never exceed it (``file``: the file is preallocated
-  to the budget), or with ``lmdb`` never exceed the map (``map_size``):
+  and allocated bytes never exceed it (``file``: the file grows on demand
+  and never shrinks while the store is open), or with ``lmdb`` never exceed the map (``map_size``):
   LMDB's data file grows as freed overflow pages fragment, slower and
   slower (NOTE [ LMDB map size ]; measured on the tiny model with a 3.8 MiB
   budget: from 3.5 MiB after step 1 to 6.5 MiB by step ~2300, then flat to

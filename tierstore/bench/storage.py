@@ -26,9 +26,10 @@ the row wrote (the bytes are on the device when the clock stops), and before
 the read phase ``posix_fadvise(POSIX_FADV_DONTNEED)`` drops those files'
 pages (untimed), so reads come from the device where the kernel honours the
 advice (Linux does for clean, unmapped pages). Creating a store, which
-preallocates the ``file`` backend's file and opens the LMDB environment, is
-not timed: a store does it once, not per tensor; the ``raw`` file is
-preallocated untimed for the same reason. Files a baseline creates per
+opens the LMDB environment, is not timed: a store does it once, not per
+tensor; the ``file`` backend's file grows on demand during the timed writes
+(a few fallocate calls: NOTE [ File backend growth ]); the ``raw`` file is
+preallocated untimed. Files a baseline creates per
 tensor are part of its cost. An untimed ``raw`` pass runs first: on the
 development VM the first gigabyte a process writes was up to 5x slower than
 the next, whichever row came first. The rows then run ``repeat`` times, each
@@ -446,7 +447,7 @@ def _tierstore_write_read(
     submission to the end of its I/O.
     """
     # Room for every record plus its header and a zstd frame that fails to
-    # shrink incompressible bytes; file preallocation is untimed anyway.
+    # shrink incompressible bytes; the file backend grows only as it is used.
     capacity = sum(t.numel() * t.element_size() + _MIB for t in tensors) + 16 * _MIB
     config = TierConfig(
         device_budget=0,
