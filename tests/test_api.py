@@ -29,6 +29,7 @@ EXPORTED = {
     "keep_module",
     "load_config",
     "offload",
+    "offload_module",
 }
 
 
@@ -78,6 +79,9 @@ def test_store_uses_the_shipped_backend_class(tmp_path: Path) -> None:
 
 # Which first-party modules each layer may import (DESIGN.md "Layers": downward only).
 LAYERS = {
+    # Integrations sit on top: the public store and offload_module, and nothing
+    # in tierstore imports them (test_nothing_imports_the_integrations).
+    "integrations": {"config", "errors", "hooks", "integrations", "stats"},
     "hooks": {"config", "errors", "handle", "stats", "store"},
     "store": {
         "codec",
@@ -120,7 +124,9 @@ LAYERS = {
 
 
 def _layer(path: Path) -> str:
-    return "backends" if path.parent.name == "backends" else path.stem
+    if path.parent.name in ("backends", "integrations"):
+        return path.parent.name
+    return path.stem
 
 
 def _first_party_imports(path: Path) -> set[str]:
@@ -142,7 +148,11 @@ def _first_party_imports(path: Path) -> set[str]:
 
 
 def test_layers_import_downward_only() -> None:
-    files = [*ROOT.joinpath("tierstore").glob("*.py"), *ROOT.joinpath("backends").glob("*.py")]
+    files = [
+        *ROOT.joinpath("tierstore").glob("*.py"),
+        *ROOT.joinpath("tierstore", "integrations").glob("*.py"),
+        *ROOT.joinpath("backends").glob("*.py"),
+    ]
     checked = 0
     for path in files:
         layer = _layer(path)
@@ -151,7 +161,18 @@ def test_layers_import_downward_only() -> None:
         checked += 1
         extra = _first_party_imports(path) - LAYERS[layer]
         assert not extra, f"{path.relative_to(ROOT)} ({layer}) imports {sorted(extra)}"
-    assert checked >= 10
+    assert checked >= 15
+
+
+def test_nothing_imports_the_integrations() -> None:
+    files = [
+        *ROOT.joinpath("tierstore").rglob("*.py"),
+        *ROOT.joinpath("backends").glob("*.py"),
+    ]
+    for path in files:
+        if path.parent.name == "integrations":
+            continue
+        assert "integrations" not in _first_party_imports(path), path.relative_to(ROOT)
 
 
 def test_nothing_touches_cuda_or_disk_at_import(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -620,3 +621,319 @@ def test_keep_module_leaves_keep_even_when_forward_raises(disk_store: tierstore.
     assert (stats.kept, stats.tiers["disk"].entries) == (0, 1)
     handle.remove()
     y.sum().backward()
+
+
+# -- offload_module ------------------------------------------------------------------------
+
+
+def test_offload_module_gradients_match_eager(disk_config: tierstore.TierConfig) -> None:
+    def run(offload: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model, (x,), loss_fn = _mlp()
+        x.requires_grad_(True)
+        handle = tierstore.offload_module(model, disk_config) if offload else None
+        torch.manual_seed(1)
+        loss = loss_fn(model, x)
+        if handle is not None:
+            handle.store.flush()
+            assert handle.store.stats().tiers["disk"].entries > 0
+        loss.backward()
+        if handle is not None:
+            assert handle.store.stats().tiers["disk"].entries == 0
+            handle.remove()
+        return [*(p.grad for p in model.parameters()), x.grad]
+
+    for a, b in zip(run(False), run(True), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_offload_module_stores_only_what_the_forward_saves(
+    disk_config: tierstore.TierConfig,
+) -> None:
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+    x = torch.randn(16, 32, requires_grad=True)
+    handle = tierstore.offload_module(model, disk_config)
+    store = handle.store
+    y = model(x)
+    packed = store.stats().packed
+    assert packed > 0
+    z = (y * 1).exp()  # after the forward: not stored
+    assert store.stats().packed == packed
+    z.sum().backward()  # backward runs outside the forward: nothing new stored
+    assert store.stats().packed == packed
+    with torch.no_grad():
+        model(x)  # evaluation saves nothing
+    assert store.stats().packed == packed
+    handle.remove()
+
+
+def test_offload_module_remove_is_idempotent_and_closes_its_store(
+    disk_config: tierstore.TierConfig,
+) -> None:
+    model = nn.Linear(8, 8)
+    handle = tierstore.offload_module(model, disk_config)
+    handle.remove()
+    handle.remove()
+    assert handle.store.closed
+    model(torch.randn(4, 8)).sum().backward()  # no hooks left to reach the closed store
+    shared = tierstore.TierStore(disk_config)
+    with tierstore.offload_module(model, store=shared) as second:
+        model(torch.randn(4, 8)).sum().backward()
+    assert second.store is shared and not shared.closed  # not its store: left open
+    assert shared.stats().packed > 0
+    shared.close()
+    with pytest.raises(tierstore.ConfigError, match="either store= or a configuration"):
+        tierstore.offload_module(model, disk_config, store=shared)
+
+
+def test_offload_module_leaves_the_block_when_forward_raises(
+    disk_config: tierstore.TierConfig,
+) -> None:
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.exp()
+            raise ValueError("boom")
+
+    boom = Boom()
+    handle = tierstore.offload_module(boom, disk_config)
+    x = torch.randn(64, requires_grad=True)
+    with pytest.raises(ValueError, match="boom"):
+        boom(x)
+    packed = handle.store.stats().packed
+    assert packed == 1
+    (x * 1).exp()  # outside: the saved-tensor hooks were popped
+    assert handle.store.stats().packed == packed
+    handle.remove()
+
+
+def test_offload_module_inside_offload_wins(spill_root: Any) -> None:
+    config = tierstore.TierConfig(
+        device_budget=0, host_budget=0, disk_path=spill_root, min_offload_bytes=0
+    )
+    head = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), head)
+    inner = tierstore.offload_module(head, config)
+    outer = tierstore.TierStore(config)
+    x = torch.randn(8, 32, requires_grad=True)
+    with outer.offload():
+        y = model(x)
+    # model[2:] saved into its own store (the innermost block wins), the rest into outer.
+    assert inner.store.stats().packed == outer.stats().packed == 3
+    y.sum().backward()
+    inner.remove()
+    outer.close()
+
+
+# -- keep(tier=...) ------------------------------------------------------------------------
+
+
+def _three_saves(x: torch.Tensor, tier: str) -> torch.Tensor:
+    a = x.exp()  # saves a
+    with tierstore.keep(tier=tier):  # type: ignore[arg-type]
+        b = (a * 2).sin()  # saves a * 2
+    return (b * 2).cos()  # saves b * 2
+
+
+@pytest.mark.parametrize(
+    ("tier", "where"),
+    [("device", "kept"), ("host", "host"), ("disk", "disk")],
+)
+def test_keep_sends_saves_to_the_named_tier(spill_root: Any, tier: str, where: str) -> None:
+    # Outside keep() everything stays within device_budget; only the save
+    # inside keep(tier=...) goes where it is told.
+    host_only = tier == "host"  # on a CPU the host tier is used only without a disk tier
+    store = tierstore.TierStore(
+        tierstore.TierConfig(
+            device_budget="1GiB",
+            host_budget="64MiB",
+            disk_budget=0 if host_only else "64MiB",
+            disk_path=spill_root,
+            min_offload_bytes=0,
+        )
+    )
+    x = torch.randn(64, 64, requires_grad=True)
+    _three_saves(x, tier).sum().backward()
+    expected = x.grad
+    x.grad = None
+    with store.offload():
+        y = _three_saves(x, tier)
+    store.flush()
+    stats = store.stats()
+    got = {"kept": stats.kept, **{name: t.entries for name, t in stats.tiers.items()}}
+    want = {"kept": 0, "device": 2, "host": 0, "disk": 0}
+    want[where] = 1
+    assert got == want
+    y.sum().backward()
+    assert torch.equal(x.grad, expected)
+    store.close()
+
+
+def test_keep_tier_with_no_budget_falls_to_the_next_tier(spill_root: Any) -> None:
+    store = tierstore.TierStore(
+        tierstore.TierConfig(
+            device_budget="1GiB", host_budget=0, disk_path=spill_root, min_offload_bytes=0
+        )
+    )
+    x = torch.randn(64, 64, requires_grad=True)
+    with store.offload(), tierstore.keep(tier="host"):
+        y = x.exp()
+    store.flush()
+    assert store.stats().tiers["disk"].entries == 1
+    y.sum().backward()
+    store.close()
+
+
+def test_keep_module_sends_its_saves_to_the_named_tier(spill_root: Any) -> None:
+    store = tierstore.TierStore(
+        tierstore.TierConfig(device_budget="1GiB", disk_path=spill_root, min_offload_bytes=0)
+    )
+    head = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), head)
+    handle = tierstore.keep_module(head, tier="disk")
+    with store.offload():
+        y = model(torch.randn(16, 64))
+    store.flush()
+    stats = store.stats()
+    # Outside head: the input and tanh's output stay. Inside: the Linear's input is
+    # that same tanh output (one entry, already on the device); tanh's output goes to disk.
+    assert (stats.tiers["device"].entries, stats.tiers["disk"].entries) == (2, 1)
+    y.sum().backward()
+    handle.remove()
+    handle.remove()
+    store.close()
+
+
+def test_a_bad_tier_name_is_a_config_error() -> None:
+    with pytest.raises(tierstore.ConfigError) as e:
+        tierstore.keep(tier="ssd")  # type: ignore[arg-type]
+    assert str(e.value) == (
+        "tierstore: tierstore.keep(tier='ssd') names no tier; use one of 'device', 'host', 'disk'"
+    )
+    with pytest.raises(tierstore.ConfigError) as e:
+        tierstore.keep_module(nn.Linear(2, 2), tier="gpu")  # type: ignore[arg-type]
+    assert str(e.value) == (
+        "tierstore: tierstore.keep_module(tier='gpu') names no tier; "
+        "use one of 'device', 'host', 'disk'"
+    )
+
+
+# -- is it working? -----------------------------------------------------------------------
+
+
+def test_warns_once_when_nothing_left_the_device(spill_root: Any) -> None:
+    store = tierstore.TierStore(
+        tierstore.TierConfig(disk_path=spill_root, min_offload_bytes="1MiB")
+    )
+    x = torch.randn(12, 256, requires_grad=True)  # 12 KiB
+    with pytest.warns(tierstore.TierstoreWarning) as record, store.offload():
+        y = x.exp().sin()  # two saves of 12 KiB
+    assert [str(w.message) for w in record] == [
+        "tierstore: nothing left the device in this offload() block: all 2 saved tensors "
+        "(24.0 KiB) were under min_offload_bytes=1.0 MiB; to offload them, lower "
+        "min_offload_bytes (TIERSTORE_MIN_OFFLOAD_BYTES)"
+    ]
+    assert record[0].filename == __file__  # points at the with statement
+    y.sum().backward()
+    with (
+        pytest.warns(tierstore.TierstoreWarning) as record,
+        tierstore.offload(disk_path=spill_root, min_offload_bytes="1MiB"),
+    ):
+        y = x.exp()
+    assert record[0].filename == __file__
+    y.sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with store.offload():  # once per store
+            y = x.exp().sin()
+        y.sum().backward()
+    store.close()
+
+
+def test_warning_counts_each_reason(spill_root: Any) -> None:
+    store = tierstore.TierStore(
+        tierstore.TierConfig(device_budget="1MiB", disk_path=spill_root, min_offload_bytes="8KiB")
+    )
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(256, 256)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            # Saves x (16 KiB), weight.t() (256 KiB) and exp's output (512 B).
+            return self.lin(x)[:, :8].exp()
+
+    model = Net()
+    x = torch.randn(16, 256, requires_grad=True)
+    handle = tierstore.offload_module(model, store=store)
+    with pytest.warns(tierstore.TierstoreWarning) as record:
+        y = model(x)
+    assert [str(w.message) for w in record] == [
+        "tierstore: nothing left the device in the forward of Net (offload_module): of "
+        "3 saved tensors (272.5 KiB), 1 (256.0 KiB) was a parameter or buffer (or a view of "
+        "one), 1 (16.0 KiB) was within device_budget=1.0 MiB and 1 (512 B) was under "
+        "min_offload_bytes=8.0 KiB; to offload them, lower device_budget "
+        "(TIERSTORE_DEVICE_BUDGET) or lower min_offload_bytes (TIERSTORE_MIN_OFFLOAD_BYTES)"
+    ]
+    assert record[0].filename == __file__  # points at the call of the module
+    y.sum().backward()
+    handle.remove()
+    store.close()
+
+
+def test_no_warning_once_something_moved(disk_store: tierstore.TierStore) -> None:
+    x = torch.randn(64, 64, requires_grad=True)
+    with disk_store.offload():
+        y = x.exp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with disk_store.offload(), tierstore.keep():
+            z = x.sin()  # nothing moves here, but the store works
+    (y.sum() + z.sum()).backward()
+
+
+def test_step_summary_on_the_tierstore_logger(
+    caplog: pytest.LogCaptureFixture, disk_config: tierstore.TierConfig
+) -> None:
+    import logging
+    import re
+
+    store = tierstore.TierStore(disk_config)
+    x = torch.randn(1024, requires_grad=True)
+    caplog.set_level(logging.INFO, logger="tierstore")
+    for _ in range(3):
+        with store.offload():
+            y = x.exp()
+        y.sum().backward()
+    with store.offload():  # no backward since the last line: no line
+        pass
+    store.close()  # the last step's line
+    lines = [r.getMessage() for r in caplog.records if r.name == "tierstore"]
+    assert len(lines) == 3
+    for step, line in enumerate(lines, 1):
+        assert re.fullmatch(
+            rf"tierstore: step {step}: saved 1 \(0 kept on the device, 0 B\); "
+            r"peak device 0 B, host 0 B, disk \S+ \S+; moved to host 0 B, to disk \S+ \S+, "
+            r"back \S+ \S+; prefetch \d+ hits, \d+ misses \(\d+%\); "
+            r"waited \d+\.\d{3} s in backward, \d+\.\d{3} s in forward",
+            line,
+        ), line
+
+
+def test_step_summary_costs_nothing_when_info_is_off(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, disk_store: Any
+) -> None:
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="tierstore")
+
+    def no_stats() -> None:
+        raise AssertionError("stats() called with INFO off")
+
+    monkeypatch.setattr(disk_store._manager, "stats", no_stats)
+    x = torch.randn(1024, requires_grad=True)
+    for _ in range(2):
+        with disk_store.offload():
+            y = x.exp()
+        y.sum().backward()
+    assert not [r for r in caplog.records if r.name == "tierstore"]

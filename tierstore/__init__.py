@@ -25,7 +25,7 @@ from tierstore.errors import (
     TierstoreError,
     TierstoreWarning,
 )
-from tierstore.hooks import TierStore, keep, keep_module, offload
+from tierstore.hooks import TierStore, keep, keep_module, offload, offload_module
 from tierstore.stats import Stats, TierStats
 
 __version__ = "0.1.0"
@@ -46,4 +46,5 @@ __all__ = [
     "keep_module",
     "load_config",
     "offload",
+    "offload_module",
 ]

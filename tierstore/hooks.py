@@ -21,7 +21,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
+import os
+import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from types import TracebackType
@@ -31,12 +35,15 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from tierstore.config import TierConfig, load_config
-from tierstore.errors import ConfigError, TierstoreError
+from tierstore.errors import ConfigError, TierstoreError, TierstoreWarning
 from tierstore.handle import Handle
-from tierstore.stats import Stats
+from tierstore.stats import TIERS, PackTally, Placement, Stats, Tier, step_summary
 from tierstore.store import TierManager, resting_nbytes
 
-__all__ = ["TierStore", "keep", "keep_module", "offload"]
+__all__ = ["TierStore", "keep", "keep_module", "offload", "offload_module"]
+
+#: The ``tierstore`` logger: one INFO line per training step (NOTE [ Step log ]).
+log = logging.getLogger("tierstore")
 
 # NOTE [ What stays on the device ]
 # Offloading a tensor pays only if the copy lets its memory go. These are kept
@@ -48,7 +55,7 @@ __all__ = ["TierStore", "keep", "keep_module", "offload"]
 #     subclasses (FakeTensor and FunctionalTensor while torch.compile traces,
 #     DTensor), meta tensors, and lazily conjugated/negated views whose bits a
 #     byte copy would lose;
-#   * everything saved inside tierstore.keep().
+#   * everything saved inside tierstore.keep() (tier="device", the default).
 # Buffers cannot be told from inputs by looking at a tensor (register_buffer
 # stores a plain tensor), so while an offload() context is active a global
 # module forward pre-hook notes the storages of the buffers of each module
@@ -60,6 +67,24 @@ __all__ = ["TierStore", "keep", "keep_module", "offload"]
 # Eager autograd raises if a saved tensor was modified in place before
 # backward. Under saved_tensors_hooks PyTorch leaves that check to the hooks,
 # so tierstore does it: kept tensors here, stored ones in the tier manager.
+
+# NOTE [ Named tiers ]
+# keep(tier=...) and keep_module(..., tier=...) set a thread-local requested
+# tier, the innermost one winning. "device" keeps the tensor as it is, outside
+# every budget (what keep() has always meant). "host" and "disk" still pass the
+# filter of NOTE [ What stays on the device ] and then ask the tier manager to
+# place the entry starting at that tier instead of the fastest one: budgets
+# hold downward as placement always does (a tier over budget demotes its
+# oldest entries, a tier with budget 0 is skipped). This layer passes a tier
+# name and nothing else; where the bytes go is the tier manager's business.
+
+# NOTE [ Step log ]
+# A step ends when a backward has run (the store saw an unpack) and then the
+# next offload() block starts, or the store closes: the first point after a
+# backward where the hooks run again without being inside autograd. Only then
+# is the tierstore logger asked whether INFO is on, so a disabled logger costs
+# one integer comparison per block. Moved bytes, hits and waits in a line are
+# those since the previous line; peaks are the store's.
 
 _local = threading.local()
 
@@ -100,70 +125,118 @@ class _BufferWatch:
 _buffers = _BufferWatch()
 
 
-def _keep_depth() -> int:
-    return getattr(_local, "keep", 0)
+def _requested_tier() -> Tier | None:
+    """The tier the innermost keep() asks for, ``None`` outside any (NOTE [ Named tiers ])."""
+    return getattr(_local, "tier", None)
+
+
+def _checked_tier(tier: object, where: str) -> Tier:
+    for name in TIERS:
+        if tier == name:
+            return name
+    raise ConfigError(
+        f"tierstore: {where}(tier={tier!r}) names no tier; use one of "
+        + ", ".join(repr(t) for t in TIERS)
+    )
 
 
 @contextlib.contextmanager
-def keep() -> Iterator[None]:
-    """Keep every tensor saved inside this block on the device, even under ``offload()``.
-
-    Use it for the last layers, whose saved tensors backward needs first, or
-    for anything you know fits. Nests; thread-local.
-
-    Example:
-        >>> import torch, tierstore
-        >>> head = torch.nn.Linear(16, 4)
-        >>> store = tierstore.TierStore(tierstore.TierConfig(min_offload_bytes=0, disk_budget=0))
-        >>> h = torch.randn(8, 16, requires_grad=True)
-        >>> with store.offload():
-        ...     z = h.exp()
-        ...     with tierstore.keep():
-        ...         logits = head(z)
-        >>> store.stats().kept > 0
-        True
-        >>> logits.sum().backward(); store.close()
-    """
-    _local.keep = _keep_depth() + 1
+def _keeping(tier: Tier) -> Iterator[None]:
+    previous = _requested_tier()
+    _local.tier = tier
     try:
         yield
     finally:
-        _local.keep -= 1
+        _local.tier = previous
+
+
+def keep(tier: Tier = "device") -> contextlib.AbstractContextManager[None]:
+    """Send every tensor saved inside this block to ``tier``, even under ``offload()``.
+
+    ``tier="device"`` (the default) keeps them on the device as they are,
+    outside every budget: use it for the last layers, whose saved tensors
+    backward needs first, or for anything you know fits. ``"host"`` or
+    ``"disk"`` place them starting at that tier instead of the fastest one
+    with room; budgets still hold downward, as placement always does (a tier
+    with budget 0 is skipped, one that is full demotes its oldest entries).
+    Parameters and tensors under ``min_offload_bytes`` stay on the device
+    either way. Nests (the innermost wins); thread-local; outside an
+    ``offload()`` block it changes nothing.
+
+    Args:
+        tier: ``"device"``, ``"host"`` or ``"disk"``.
+
+    Raises:
+        ConfigError: ``tier`` names no tier.
+
+    Example:
+        >>> import tempfile, torch, tierstore
+        >>> head = torch.nn.Linear(16, 4)
+        >>> store = tierstore.TierStore(tierstore.TierConfig(
+        ...     device_budget="1GiB", disk_path=tempfile.mkdtemp(), min_offload_bytes=0))
+        >>> h = torch.randn(8, 16, requires_grad=True)
+        >>> with store.offload():
+        ...     z = h.exp()                      # within device_budget: stays
+        ...     with tierstore.keep(tier="disk"):
+        ...         y = (z * 2).sin()            # asked for the disk
+        ...     with tierstore.keep():
+        ...         logits = head(y)             # kept as it is
+        >>> store.stats().tiers["disk"].entries, store.stats().kept > 0
+        (1, True)
+        >>> logits.sum().backward(); store.close()
+    """
+    return _keeping(_checked_tier(tier, "tierstore.keep"))
 
 
 class _KeepModule:
     """The hooks :func:`keep_module` put on a module; :meth:`remove` takes them off."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self._depth_at_entry: list[int] = []
+    def __init__(self, module: torch.nn.Module, tier: Tier) -> None:
+        self._tier = tier
+        self._at_entry = threading.local()
         self._handles = [
             module.register_forward_pre_hook(self._enter),
             # always_call: a forward that raises still leaves the keep() block.
             module.register_forward_hook(self._leave, always_call=True),
         ]
 
+    def _stack(self) -> list[Tier | None]:
+        stack: list[Tier | None] | None = getattr(self._at_entry, "stack", None)
+        if stack is None:
+            stack = self._at_entry.stack = []
+        return stack
+
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
-        self._depth_at_entry.append(_keep_depth())
-        _local.keep = _keep_depth() + 1
+        self._stack().append(_requested_tier())
+        _local.tier = self._tier
 
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self._depth_at_entry:
-            _local.keep = self._depth_at_entry.pop()
+        stack = self._stack()
+        if stack:
+            _local.tier = stack.pop()
 
     def remove(self) -> None:
-        """Stop keeping this module's saved tensors on the device. Idempotent."""
+        """Stop sending this module's saved tensors to the tier. Idempotent."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
 
 
-def keep_module(module: torch.nn.Module) -> _KeepModule:
-    """Keep every tensor saved inside ``module``'s forward on the device, as :func:`keep` does.
+def keep_module(module: torch.nn.Module, tier: Tier = "device") -> _KeepModule:
+    """Send every tensor saved inside ``module``'s forward to ``tier``, as :func:`keep` does.
 
-    For modules whose saved tensors backward needs first or that are cheap
-    to keep, such as the output head. Returns a handle whose ``remove()``
-    undoes it. Thread-local, like :func:`keep`: it applies to the thread
-    that runs the forward.
+    With the default ``tier="device"``: for modules whose saved tensors
+    backward needs first or that are cheap to keep, such as the output head.
+    ``"host"`` or ``"disk"`` place them starting at that tier (NOTE [ Named
+    tiers ]). Returns a handle whose ``remove()`` undoes it. Thread-local,
+    like :func:`keep`: it applies to the thread that runs the forward.
+
+    Args:
+        module: the module whose forward's saves go to ``tier``.
+        tier: ``"device"``, ``"host"`` or ``"disk"``.
+
+    Raises:
+        ConfigError: ``tier`` names no tier.
 
     Example:
         >>> import torch, tierstore
@@ -177,7 +250,7 @@ def keep_module(module: torch.nn.Module) -> _KeepModule:
         2
         >>> out.sum().backward(); handle.remove(); store.close()
     """
-    return _KeepModule(module)
+    return _KeepModule(module, _checked_tier(tier, "tierstore.keep_module"))
 
 
 class _Kept:
@@ -190,25 +263,27 @@ class _Kept:
         self.version = version
 
 
-def _offload_nbytes(t: torch.Tensor, min_bytes: int) -> int | None:
-    """Bytes ``t`` rests in once offloaded, or ``None`` if it stays on the device.
+def _offload_nbytes(t: torch.Tensor, min_bytes: int) -> int | Placement:
+    """Bytes ``t`` rests in once offloaded, or why it stays on the device.
 
     See NOTE [ What stays on the device ].
     """
-    if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_nested:
-        return None
+    if type(t) is not torch.Tensor:
+        return "parameter" if isinstance(t, torch.nn.Parameter) else "layout"
+    if t.layout is not torch.strided or t.is_nested:
+        return "layout"
     if t._is_zerotensor():  # no storage to copy
-        return None
+        return "layout"
     if t.device.type == "meta" or t.is_conj() or t.is_neg() or t.is_quantized:
-        return None
+        return "layout"
     nbytes = resting_nbytes(t)
     if nbytes < min_bytes:
-        return None
+        return "min_offload_bytes"
     base = t._base
     if base is not None and isinstance(base, torch.nn.Parameter):
-        return None
+        return "parameter"
     if t.grad_fn is None and t.untyped_storage() in _buffers.storages:
-        return None
+        return "parameter"
     return nbytes
 
 
@@ -220,6 +295,16 @@ def _checked(config: object, where: str) -> TierConfig | None:
         "Build one with tierstore.TierConfig(**settings), or pass settings as keywords "
         "to tierstore.offload(...)"
     )
+
+
+class _Block:
+    """One entered offload block: its hooks, and the tally when it began (or ``None``)."""
+
+    __slots__ = ("before", "hooks")
+
+    def __init__(self, hooks: saved_tensors_hooks, before: PackTally | None) -> None:
+        self.hooks = hooks
+        self.before = before
 
 
 class TierStore:
@@ -254,6 +339,12 @@ class TierStore:
         self.config = _checked(config, "TierStore(config=...)") or load_config()
         self._manager = TierManager(self.config)
         self._min_bytes = int(self.config.min_offload_bytes)
+        self._warned = False  # NOTE [ Is it working? ] in tierstore/stats.py
+        # NOTE [ Step log ]: unpack calls so far, and at the last step's end.
+        self._unpacks = 0
+        self._step_unpacks = 0
+        self._steps = 0
+        self._logged: Stats | None = None
 
     @contextlib.contextmanager
     def offload(self) -> Iterator[TierStore]:
@@ -262,6 +353,12 @@ class TierStore:
         Hooks are thread-local and removed on exit, also on an exception.
         An inner ``offload()`` (of this or another store) wins over an outer
         one; ``torch.no_grad()`` saves nothing, so nothing is packed.
+
+        The first block whose saves all stayed on the device, while nothing
+        has left it since the store opened, issues a
+        :class:`~tierstore.TierstoreWarning` that says why in numbers and
+        which setting to change (once per store). With the ``tierstore``
+        logger at INFO, each step (a forward and its backward) logs a line.
 
         Example:
             >>> import torch, tierstore
@@ -272,15 +369,65 @@ class TierStore:
             ...     y = (x * 2).sin()
             >>> y.sum().backward(); store.close()
         """
+        block = self._open_block()
+        ok = False
+        try:
+            yield self
+            ok = True
+        finally:
+            self._close_block(block, ok, "this offload() block")
+
+    def _open_block(self) -> _Block:
+        """Push the hooks; :meth:`_close_block` pops them (LIFO, as any hooks)."""
         self._manager.check_open()
+        if self._unpacks != self._step_unpacks:  # a backward ran: a step ended
+            self._step_ended()
+        # Only while the warning could still be due: it costs a lock.
+        watch = not self._warned and not self._manager.tally.moved
+        block = _Block(
+            saved_tensors_hooks(self._pack, self._unpack),
+            self._manager.pack_tally() if watch else None,
+        )
         _buffers.use(+1)
         _local.active = getattr(_local, "active", 0) + 1
         try:
-            with saved_tensors_hooks(self._pack, self._unpack):
-                yield self
+            block.hooks.__enter__()
+        except BaseException:
+            _local.active -= 1
+            _buffers.use(-1)
+            raise
+        return block
+
+    def _close_block(self, block: _Block, ok: bool, where: str) -> None:
+        """Pop the hooks; warn if nothing left the device (NOTE [ Is it working? ])."""
+        try:
+            block.hooks.__exit__(None, None, None)
         finally:
             _local.active -= 1
             _buffers.use(-1)
+        before = block.before
+        if not ok or before is None or self._warned or self._manager.closed:
+            return
+        if self._manager.tally.moved:
+            return
+        message = (
+            self._manager.pack_tally()
+            .since(before)
+            .nothing_moved(where, int(self.config.device_budget), self._min_bytes)
+        )
+        if message is not None:
+            self._warned = True
+            warnings.warn(TierstoreWarning(message), stacklevel=_user_stacklevel())
+
+    def _step_ended(self) -> None:
+        """NOTE [ Step log ]."""
+        self._step_unpacks = self._unpacks
+        self._steps += 1
+        if not log.isEnabledFor(logging.INFO) or self._manager.closed:
+            return
+        now = self._manager.stats()
+        log.info("%s", step_summary(self._steps, now, self._logged))
+        self._logged = now
 
     def stats(self) -> Stats:
         """Bytes per tier now and at peak, entries, and what moved.
@@ -359,7 +506,11 @@ class TierStore:
             >>> store.close(); store.close(); store.closed
             True
         """
-        self._manager.close()
+        try:
+            if self._unpacks != self._step_unpacks and not self._manager.closed:
+                self._step_ended()  # the last step's line (NOTE [ Step log ])
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> TierStore:
         return self
@@ -385,8 +536,11 @@ class TierStore:
     # torch.compiler.disable, importing torch._dynamo only at the first call.
     @torch._compile._disable_dynamo
     def _pack(self, t: torch.Tensor) -> Handle | _Kept:
-        nbytes = None if _keep_depth() else _offload_nbytes(t, self._min_bytes)
-        if nbytes is None:
+        tier = _requested_tier()
+        nbytes = _offload_nbytes(t, self._min_bytes)
+        if tier == "device" and not isinstance(nbytes, str):
+            nbytes = "keep"
+        if isinstance(nbytes, str):
             # Only kept tensors can be tracing placeholders (subclasses are
             # never offloaded), so the offload path pays no check for them.
             if isinstance(
@@ -400,12 +554,15 @@ class TierStore:
                 # symbolic: nothing to count. Not detached: torch 2.11 refuses
                 # a FunctionalTensor op here.
                 return _Kept(t, t._version)
-            self._manager.count_kept(t.numel() * t.element_size())
+            self._manager.count_kept(t.numel() * t.element_size(), nbytes)
             return _Kept(t.detach(), t._version)
-        return self._manager.put(t, nbytes)
+        if tier is None:  # the common case; also what wrappers of put() in tests expect
+            return self._manager.put(t, nbytes)
+        return self._manager.put(t, nbytes, tier)
 
     @torch._compile._disable_dynamo
     def _unpack(self, packed: Handle | _Kept) -> torch.Tensor:
+        self._unpacks += 1  # NOTE [ Step log ]; a lost update under threads only delays a line
         if type(packed) is _Kept:
             t = packed.tensor
             if t._version != packed.version:
@@ -471,10 +628,173 @@ def offload(config: TierConfig | None = None, **overrides: Any) -> Iterator[Tier
         >>> store.stats().tiers["host"].bytes
         0
     """
-    config = _checked(config, "tierstore.offload(config=...)")
-    if config is None:
-        config = load_config(**overrides)
-    elif overrides:
-        config = TierConfig(**{**config.model_dump(), **overrides})
+    config = _resolved(config, overrides, "tierstore.offload(config=...)")
     with _store_for(config).offload() as store:
         yield store
+
+
+# Frames a warning should not point at: tierstore's, torch's (Module.__call__
+# running offload_module's hooks) and contextlib's (leaving a with block).
+_INTERNAL = (
+    os.path.dirname(os.path.abspath(__file__)),
+    os.path.dirname(os.path.abspath(torch.__file__)),
+    os.path.abspath(contextlib.__file__),
+)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by our caller point at user code."""
+    frame = sys._getframe(2)  # the caller of the function that warns
+    level = 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def _resolved(config: object, overrides: dict[str, Any], where: str) -> TierConfig:
+    checked = _checked(config, where)
+    if checked is None:
+        return load_config(**overrides)
+    if overrides:
+        return TierConfig(**{**checked.model_dump(), **overrides})
+    return checked
+
+
+# -- offload_module --------------------------------------------------------------
+
+# NOTE [ offload_module ]
+# A forward pre-hook enters an offload block of the handle's store and a
+# forward hook registered with always_call=True leaves it, so a forward that
+# raises (or a pre-hook after ours that raises) still pops the saved-tensor
+# hooks. Backward runs wherever the caller runs it: outside the block. The
+# block stack is per thread (DataParallel runs replicas in threads) and gets a
+# placeholder before the block is entered, so a failed entry leaves nothing
+# for the forward hook to pop but its own placeholder. The global pre-hook of
+# _BufferWatch ran before ours, while no offload was active: the module's own
+# buffers are noted here instead.
+
+
+class _OffloadModule:
+    """The hooks :func:`offload_module` put on a module, and the store they use."""
+
+    def __init__(self, module: torch.nn.Module, store: TierStore, owned: bool) -> None:
+        self.store = store
+        self._owned = owned
+        self._name = type(module).__name__
+        self._where = f"the forward of {self._name} (offload_module)"
+        self._blocks = threading.local()
+        self._handles = [
+            module.register_forward_pre_hook(self._enter),
+            module.register_forward_hook(self._leave, always_call=True),
+        ]
+
+    def _stack(self) -> list[_Block | None]:
+        stack: list[_Block | None] | None = getattr(self._blocks, "stack", None)
+        if stack is None:
+            stack = self._blocks.stack = []
+        return stack
+
+    @torch._compile._disable_dynamo
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        stack = self._stack()
+        stack.append(None)
+        stack[-1] = self.store._open_block()
+        _buffers._note(module, args)
+
+    @torch._compile._disable_dynamo
+    def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        stack = self._stack()
+        block = stack.pop() if stack else None
+        if block is not None:
+            # Inside the except clause of Module.__call__ when forward raised.
+            ok = sys.exc_info()[1] is None
+            self.store._close_block(block, ok, self._where)
+
+    def remove(self) -> None:
+        """Take the hooks off the module and close the store if ``offload_module`` made it.
+
+        Idempotent. Call it after the last backward that needs the saved
+        tensors: their backward raises :class:`~tierstore.StoreClosedError`
+        once the store is closed. A store passed as ``store=`` stays open.
+        """
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._owned:
+            self.store.close()
+
+    def __enter__(self) -> _OffloadModule:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if not self._handles else "active"
+        return f"<offload_module {state} on {self._name}, {self.store!r}>"
+
+
+def offload_module(
+    module: torch.nn.Module,
+    config: TierConfig | None = None,
+    *,
+    store: TierStore | None = None,
+    **overrides: Any,
+) -> _OffloadModule:
+    """Offload every tensor saved inside ``module``'s forward, every time it runs.
+
+    The one-line form of wrapping each forward in :meth:`TierStore.offload`:
+    run forward and backward as usual; the saves made inside the module's
+    forward go to the store, backward (run outside the forward) brings them
+    back. Saves outside the module (a loss computed on its output, say) are
+    not offloaded. A forward under ``torch.no_grad()`` (evaluation) saves
+    nothing, so costs nothing.
+
+    The handle owns the store it creates: ``handle.store`` gives its
+    :meth:`~TierStore.stats`, and ``handle.remove()`` (idempotent; also on
+    leaving ``with offload_module(...)``) takes the hooks off and closes the
+    store. Pass ``store=`` to share one store between several modules (each
+    transformer block, say); ``remove()`` then leaves it open.
+
+    Args:
+        module: the module whose forward's saves go to the store.
+        config: the store's configuration; ``None`` resolves one as
+            :func:`tierstore.offload` does.
+        store: an open store to use instead of creating one.
+        **overrides: settings that win over ``config`` or the resolved one.
+
+    Returns:
+        A handle with ``.store`` and ``.remove()``.
+
+    Raises:
+        ConfigError: ``store=`` given together with ``config`` or settings.
+
+    Example:
+        >>> import torch, tierstore
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+        >>> handle = tierstore.offload_module(model, device_budget=0, disk_budget=0,
+        ...                                   min_offload_bytes=0)
+        >>> loss = model(torch.randn(32, 64)).square().sum()  # forward: saves are stored
+        >>> handle.store.stats().tiers["host"].entries
+        2
+        >>> loss.backward()  # outside the forward, as usual
+        >>> handle.remove(); handle.store.closed
+        True
+    """
+    if store is not None:
+        if config is not None or overrides:
+            raise ConfigError(
+                "tierstore: offload_module() takes either store= or a configuration "
+                f"(config={config!r}, settings {sorted(overrides)}), not both; configure "
+                "the store when you create it"
+            )
+        store._manager.check_open()
+        return _OffloadModule(module, store, owned=False)
+    resolved = _resolved(config, overrides, "tierstore.offload_module(config=...)")
+    return _OffloadModule(module, TierStore(resolved), owned=True)

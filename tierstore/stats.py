@@ -16,7 +16,7 @@ from typing import Literal
 
 from tierstore.config import human_bytes
 
-__all__ = ["TIERS", "Stats", "Tier", "TierStats"]
+__all__ = ["TIERS", "PackTally", "Placement", "Stats", "Tier", "TierStats", "step_summary"]
 
 Tier = Literal["device", "host", "disk"]
 #: The tiers, fastest first.
@@ -159,3 +159,182 @@ class Stats:
         if self.failed_writes:
             rows.append(f"{self.failed_writes} disk writes failed (no saved tensor lost)")
         return "\n".join(rows)
+
+
+#: Where a saved tensor went: ``"offloaded"`` (below the device, at once or
+#: by demotion), or why it stayed on the device.
+Placement = Literal[
+    "offloaded", "device_budget", "min_offload_bytes", "parameter", "keep", "layout"
+]
+
+# NOTE [ Is it working? ]
+# A user who wraps a forward in offload() and sees no memory go down needs to
+# know why without reading the code. The tier manager tallies every save by
+# where it went (PackTally); when a block saved tensors and nothing has left
+# the device since the store opened, the store warns once, in numbers, with
+# the setting that would change it. Once per store: a loop that runs the same
+# block every step would otherwise say the same thing every step.
+# Per placement: what it was (one tensor, several), and the setting that would move it.
+_WHY: dict[str, tuple[str, str, str | None]] = {
+    "device_budget": (
+        "within device_budget={device_budget}",
+        "within device_budget={device_budget}",
+        "lower device_budget",
+    ),
+    "min_offload_bytes": (
+        "under min_offload_bytes={min_offload_bytes}",
+        "under min_offload_bytes={min_offload_bytes}",
+        "lower min_offload_bytes",
+    ),
+    "keep": (
+        "saved inside tierstore.keep() or keep_module() (tier='device')",
+        "saved inside tierstore.keep() or keep_module() (tier='device')",
+        "take keep() or keep_module() off them",
+    ),
+    "parameter": (
+        "a parameter or buffer (or a view of one)",
+        "parameters or buffers (or views of them)",
+        None,
+    ),
+    "layout": (
+        "not a plain strided tensor (sparse, nested, a subclass, meta)",
+        "not plain strided tensors (sparse, nested, subclasses, meta)",
+        None,
+    ),
+}
+_ENV = {"lower device_budget": "DEVICE_BUDGET", "lower min_offload_bytes": "MIN_OFFLOAD_BYTES"}
+
+
+class PackTally:
+    """Saved tensors counted by where they went (:data:`Placement`): how many, how many bytes.
+
+    See NOTE [ Is it working? ].
+
+    Example:
+        >>> tally = PackTally()
+        >>> tally.add("min_offload_bytes", 1024); tally.add("min_offload_bytes", 2048)
+        >>> tally.counts["min_offload_bytes"], tally.moved
+        ((2, 3072), False)
+        >>> print(tally.nothing_moved("this offload() block", 0, 64 << 10))
+        tierstore: nothing left the device in this offload() block: all 2 saved tensors \
+(3.0 KiB) were under min_offload_bytes=64.0 KiB; to offload them, lower min_offload_bytes \
+(TIERSTORE_MIN_OFFLOAD_BYTES)
+    """
+
+    def __init__(self, counts: Mapping[str, tuple[int, int]] | None = None) -> None:
+        self.counts: dict[str, tuple[int, int]] = dict(counts or {})
+
+    def add(self, placement: Placement, nbytes: int) -> None:
+        """Count one save of ``nbytes`` bytes."""
+        n, b = self.counts.get(placement, (0, 0))
+        self.counts[placement] = (n + 1, b + nbytes)
+
+    @property
+    def moved(self) -> bool:
+        """Whether any save left the device."""
+        return "offloaded" in self.counts
+
+    def copy(self) -> PackTally:
+        """An independent snapshot."""
+        return PackTally(self.counts)
+
+    def since(self, earlier: PackTally) -> PackTally:
+        """The saves counted after ``earlier`` was taken."""
+        return PackTally(
+            {
+                k: (n - earlier.counts.get(k, (0, 0))[0], b - earlier.counts.get(k, (0, 0))[1])
+                for k, (n, b) in self.counts.items()
+                if n != earlier.counts.get(k, (0, 0))[0]
+            }
+        )
+
+    def nothing_moved(self, where: str, device_budget: int, min_offload_bytes: int) -> str | None:
+        """The warning for saves none of which left the device, or ``None``.
+
+        ``None`` when nothing was saved or something moved.
+        """
+        if self.moved or not self.counts:
+            return None
+        values = {
+            "device_budget": human_bytes(device_budget),
+            "min_offload_bytes": human_bytes(min_offload_bytes),
+        }
+        rows = sorted(self.counts.items(), key=lambda kv: (-kv[1][1], -kv[1][0], kv[0]))
+        total_n = sum(n for n, _ in self.counts.values())
+        total_b = sum(b for _, b in self.counts.values())
+
+        def what(placement: str, n: int) -> str:
+            one, several, _ = _WHY[placement]
+            return (one if n == 1 else several).format(**values)
+
+        them = "them" if total_n > 1 else "it"
+        if total_n == 1:
+            why = f"the saved tensor ({human_bytes(total_b)}) was {what(rows[0][0], 1)}"
+        elif len(rows) == 1:
+            why = (
+                f"all {total_n} saved tensors ({human_bytes(total_b)}) were "
+                f"{what(rows[0][0], total_n)}"
+            )
+        else:
+            parts = [
+                f"{n} ({human_bytes(b)}) {'was' if n == 1 else 'were'} {what(k, n)}"
+                for k, (n, b) in rows
+            ]
+            why = (
+                f"of {total_n} saved tensors ({human_bytes(total_b)}), "
+                + ", ".join(parts[:-1])
+                + f" and {parts[-1]}"
+            )
+        fixes = [fix for k, _ in rows if (fix := _WHY[k][2]) is not None]
+        if fixes:
+            hint = " or ".join(
+                f"{fix} (TIERSTORE_{_ENV[fix]})" if fix in _ENV else fix for fix in fixes
+            )
+            hint = f"to offload {them}, {hint}"
+        else:
+            hint = (
+                "tierstore never offloads these; run the layers whose activations should "
+                "leave the device inside the block"
+            )
+        return f"tierstore: nothing left the device in {where}: {why}; {hint}"
+
+
+def step_summary(step: int, now: Stats, before: Stats | None) -> str:
+    """One line on a training step: bytes per tier, what moved, prefetch hits and waits.
+
+    ``before`` is the snapshot at the end of the previous step (``None``: the
+    first step); moved bytes, hits and waits are this step's, peaks are the
+    store's.
+
+    Example:
+        >>> tier = TierStats(bytes=0, peak_bytes=4096, entries=0, bytes_written=4096,
+        ...                  bytes_read=4096)
+        >>> empty = TierStats(0, 0, 0, 0, 0)
+        >>> now = Stats(tiers={"device": empty, "host": empty, "disk": tier}, packed=3,
+        ...             deduplicated=0, kept=2, kept_bytes=64, prefetch_hits=1)
+        >>> print(step_summary(1, now, None))
+        tierstore: step 1: saved 3 (2 kept on the device, 64 B); peak device 0 B, host 0 B, \
+disk 4.0 KiB; moved to host 0 B, to disk 4.0 KiB, back 4.0 KiB; prefetch 1 hits, 0 misses \
+(100%); waited 0.000 s in backward, 0.000 s in forward
+    """
+    zero = Stats(tiers={}, packed=0, deduplicated=0, kept=0, kept_bytes=0)
+    b = before or zero
+
+    def moved(tier: Tier, attr: str) -> int:
+        was = b.tiers.get(tier)
+        return int(getattr(now.tiers[tier], attr) - (getattr(was, attr) if was else 0))
+
+    hits = now.prefetch_hits - b.prefetch_hits
+    misses = now.prefetch_misses - b.prefetch_misses
+    rate = f" ({hits / (hits + misses):.0%})" if hits + misses else ""
+    back = sum(moved(t, "bytes_read") for t in ("host", "disk"))
+    peaks = ", ".join(f"{t} {human_bytes(now.tiers[t].peak_bytes)}" for t in TIERS)
+    return (
+        f"tierstore: step {step}: saved {now.packed - b.packed} "
+        f"({now.kept - b.kept} kept on the device, {human_bytes(now.kept_bytes - b.kept_bytes)}); "
+        f"peak {peaks}; moved to host {human_bytes(moved('host', 'bytes_written'))}, "
+        f"to disk {human_bytes(moved('disk', 'bytes_written'))}, back {human_bytes(back)}; "
+        f"prefetch {hits} hits, {misses} misses{rate}; "
+        f"waited {now.unpack_wait_s - b.unpack_wait_s:.3f} s in backward, "
+        f"{now.pack_wait_s - b.pack_wait_s:.3f} s in forward"
+    )

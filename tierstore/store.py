@@ -45,7 +45,7 @@ from tierstore.handle import Handle
 from tierstore.pipeline import Pipeline
 from tierstore.readahead import ReadAhead
 from tierstore.schedule import Schedule
-from tierstore.stats import TIERS, Stats, Tier, TierStats
+from tierstore.stats import TIERS, PackTally, Placement, Stats, Tier, TierStats
 from tierstore.transfers import Transfers
 from tierstore.writebehind import WriteBehind
 
@@ -165,6 +165,8 @@ class TierManager:
         self._deduplicated = 0
         self._kept = 0
         self._kept_bytes = 0
+        # Saves by where they went (NOTE [ Is it working? ] in tierstore/stats.py).
+        self.tally = PackTally()
         self._closed = False
 
     # -- public --------------------------------------------------------------
@@ -182,10 +184,13 @@ class TierManager:
                 "only after the last backward that needs its saved tensors"
             )
 
-    def put(self, t: torch.Tensor, nbytes: int | None = None) -> Handle:
+    def put(self, t: torch.Tensor, nbytes: int | None = None, tier: Tier | None = None) -> Handle:
         """Store ``t`` and return a handle; the entry lives as long as a handle does.
 
         ``nbytes`` is ``resting_nbytes(t)`` when the caller has it already.
+        ``tier`` asks for a tier (``tierstore.keep(tier=...)``): the entry goes
+        there or, when that tier's budget is 0, as far down as placement takes
+        it; ``None`` starts at the fastest tier (NOTE [ Placement ]).
         """
         with self._locked():
             self.check_open()
@@ -195,6 +200,7 @@ class TierManager:
             dedupe_key = _dedupe_key(t, storage)
             entry = self._deduplicated_entry(dedupe_key, storage)
             if entry is not None:
+                self._tally_landing(entry, 0, None)
                 return self._handle(entry, t)
             if self._schedule.unpacking:
                 self._step_started()
@@ -202,7 +208,9 @@ class TierManager:
             self.check_open()  # closed by another thread while this one waited
             size = resting_nbytes(t) if nbytes is None else nbytes
             entry = Entry(next(self._keys), t.detach(), size)
-            self._land(entry, 0)
+            on_device = len(self._tiers["device"].entries)
+            self._land(entry, 0 if tier is None else TIERS.index(tier))
+            self._tally_landing(entry, size, on_device)
             self._entries[entry.key] = entry
             self._schedule.packed(entry.key, (dedupe_key[2], t.dtype))
             with contextlib.suppress(TypeError):  # storages that refuse weak references
@@ -274,12 +282,30 @@ class TierManager:
                     "modify it before it is saved"
                 )
 
-    def count_kept(self, nbytes: int) -> None:
-        """Count a saved tensor the caller left on the device."""
+    def count_kept(self, nbytes: int, why: Placement = "keep") -> None:
+        """Count a saved tensor the caller left on the device, and why."""
         with self._locked():
             self._packed += 1
             self._kept += 1
             self._kept_bytes += nbytes
+            self.tally.add(why, nbytes)
+
+    def pack_tally(self) -> PackTally:
+        """A snapshot of the saves by where they went (NOTE [ Is it working? ])."""
+        with self._lock:
+            return self.tally.copy()
+
+    def _tally_landing(self, entry: Entry, nbytes: int, on_device: int | None) -> None:
+        """Count a save by where it went: below the device, or within device_budget.
+
+        ``on_device``: the device tier's entries before it landed; fewer after
+        (it included) means that it pushed older ones down: they moved.
+        """
+        demoted = on_device is not None and (
+            len(self._tiers["device"].entries) < on_device + (entry.tier == "device")
+        )
+        stayed = entry.tier == "device" and not demoted
+        self.tally.add("device_budget" if stayed else "offloaded", nbytes)
 
     def stats(self) -> Stats:
         """A snapshot of the counters; see :class:`~tierstore.stats.Stats`.
