@@ -5,7 +5,8 @@ a few steps on gloo (CPU), once with ``tierstore.offload()`` around forward
 and once without, from the same weights, data and dropout masks, and writes
 ``OUTDIR/rank<R>.json``: whether the final parameters are bitwise equal,
 this rank's spill directory, bytes written to disk, and how many tensors
-sharing a parameter's storage reached the store (must be none).
+sharing a parameter's storage reached the store (must be none). Last, each
+rank prints ``tierstore-torchrun: rank <R> done``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import tierstore
 from tierstore.bench.gpt import GPT, GPTConfig
 
 STEPS = 3
+#: Printed by each rank once its work is done and its result written.
+COMPLETION = "tierstore-torchrun: rank {rank} done"
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -53,14 +56,14 @@ def _train(
         manager = store._manager
         put = manager.put
 
-        def checked_put(t: torch.Tensor, nbytes: int | None = None) -> Any:
+        def checked_put(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             # FSDP registers the unsharded parameters on the modules during
             # forward: none of them (nor a view) may be offloaded.
             nonlocal parameter_puts
             storages = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
             if t.untyped_storage().data_ptr() in storages:
                 parameter_puts += 1
-            return put(t, nbytes)
+            return put(t, *args, **kwargs)  # nbytes, tier: whatever put takes
 
         manager.put = checked_put  # type: ignore[method-assign]
     for step in range(STEPS):
@@ -111,6 +114,13 @@ def main() -> None:
         (outdir / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    # The last thing the job does: the test reads this line to tell a rank
+    # that finished from one that crashed (an abort at interpreter exit, after
+    # this line, is gloo's teardown: see tests/test_torchrun.py).
+    # One write: the ranks share torchrun's stdout, and print() may write the
+    # text and its newline apart, so two ranks' lines can run together.
+    sys.stdout.write(COMPLETION.format(rank=rank) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
