@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -478,22 +479,35 @@ def test_keyboard_interrupt_while_forward_waits_for_the_disk(root: Path) -> None
     disk = _backend(store)
     real_store = disk._store
     release = threading.Event()
+    writing = threading.Event()
 
     def slow_store(*args: Any) -> None:
+        writing.set()
         release.wait(10)
         real_store(*args)
 
     disk._store = slow_store  # type: ignore[method-assign]
     main = threading.get_ident()
-    timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
-    timer.start()
+
+    done = threading.Event()
+
+    def interrupt() -> None:
+        # Once a write hangs, and forward has had time to block on it: not
+        # earlier, where Ctrl-C would land in torch's own lazy imports.
+        if writing.wait(10) and not done.wait(0.3):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    timer = threading.Thread(target=interrupt, daemon=True)
     model = _model()
+    model(BATCH).square().sum()  # the first forward of a process imports lazily
+    timer.start()
     try:
         with pytest.raises(KeyboardInterrupt), store.offload():
             model(BATCH).square().sum()
     finally:
-        timer.cancel()
+        done.set()
         release.set()
+        timer.join()
     assert store._manager._lock.acquire(timeout=1)  # not left held
     store._manager._lock.release()
     assert _no_hooks()
