@@ -112,7 +112,7 @@ LAYERS = {
         "transfers",
     },
     "writebehind": {"config", "entry", "errors", "pipeline", "sizing", "stats", "transfers"},
-    "transfers": {"backends", "config", "entry", "errors"},
+    "transfers": {"backends", "codec", "config", "entry", "errors"},
     "sizing": set(),
     "entry": {"backends", "codec", "pipeline", "stats"},
     "pipeline": {"backends", "codec", "config", "errors"},

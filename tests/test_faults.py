@@ -16,7 +16,6 @@ import re
 import shutil
 import signal
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import tierstore
-from tierstore import readahead, writebehind
+from tierstore import codec, readahead, writebehind
 from tierstore.backends.file import FileBackend
 from tierstore.pipeline import Pipeline
 
@@ -325,7 +325,8 @@ def test_a_queued_write_lets_go_of_the_callers_memory_at_once(
         gc.collect()
         # The write still waits, yet h's memory is gone: the queue holds a copy.
         assert torch.UntypedStorage._expired(h_storage)
-        assert store.stats().buffer_bytes_in_use == 256 * 1024
+        # The queued bytes, and room for their record's header in front.
+        assert store.stats().buffer_bytes_in_use == 256 * 1024 + codec.HEADROOM
         gate.set()
         store.flush()
         assert _in_use(store) == 0  # written: the copy went back to the pool
@@ -383,3 +384,49 @@ def test_queued_buffers_reuse_the_lowest_free_space() -> None:
         ends.append(block.offset + block.length)
     assert max(ends) <= 4 * MIB  # never more than one block past the three in flight
     pool.close()
+
+
+# -- records in one buffer (NOTE [ Records in one buffer ]) ------------------------------
+
+
+def test_a_record_with_room_in_front_is_one_buffer() -> None:
+    buf = torch.zeros(codec.HEADROOM + 4000, dtype=torch.uint8)
+    span = buf[codec.HEADROOM :].view(torch.float32)
+    span.copy_(torch.arange(1000.0))
+    frame = codec.encode(span, headroom=True)
+    (record,) = frame.views()
+    assert bytes(record) == frame.header + bytes(frame.payload)
+    assert torch.equal(span, torch.arange(1000.0))  # the header went in front, not over it
+    meta = codec.parse_header(bytes(record)[: len(frame.header)])
+    back = codec.decode(meta, bytearray(bytes(record)[len(frame.header) :]))
+    assert torch.equal(back, span)
+
+
+def test_the_callers_memory_is_never_written_in_front_of() -> None:
+    whole = torch.full((codec.HEADROOM + 4000,), 7, dtype=torch.uint8)
+    span = whole[codec.HEADROOM :]  # room in front, but the caller's: no headroom=True
+    frame = codec.encode(span)
+    assert [len(v) for v in frame.views()] == [len(frame.header), 4000]
+    assert bool((whole == 7).all())
+    short = torch.zeros(100, dtype=torch.uint8)[10:]  # too little room: two views
+    assert len(codec.encode(short, headroom=True).views()) == 2
+
+
+def test_zstd_records_are_one_buffer() -> None:
+    frame = codec.encode(torch.zeros(10_000), "zstd")
+    (record,) = frame.views()
+    assert bytes(record) == frame.header + bytes(frame.payload)
+
+
+def test_lmdb_writes_staged_records_without_joining_them(spill_root: Path) -> None:
+    x = torch.randn(64 * 1024, requires_grad=True)
+    with tierstore.TierStore(_config(spill_root, disk_backend="lmdb")) as store:
+        _step(store, x, n=8)
+        backend = store._manager._pipeline._backend
+        assert backend is not None and backend._joined is None  # no copy into a join buffer
+        assert store.stats().tiers["disk"].bytes_written >= 8 * 256 * 1024
+        grad = x.grad.clone()
+        x.grad = None
+        loss = _chain(x, 8)
+        loss.backward()
+        assert torch.equal(x.grad, grad)

@@ -322,12 +322,30 @@ class FrameMeta:
         return self.numel * self.dtype.itemsize
 
 
+#: Bytes left free in front of a payload in memory tierstore allocates (a
+#: staged span, a compressed payload): NOTE [ Records in one buffer ].
+HEADROOM = 4096
+
+# NOTE [ Records in one buffer ]
+# A record is its header then its payload. A backend that takes one buffer
+# per record (LMDB: one value per put) would have to join the two, a copy of
+# every byte written into a buffer as large as the largest record, resident
+# for as long as the backend is open. Where tierstore allocates the payload's
+# memory itself (a span staged for its write, NOTE [ Write staging ]; a zstd
+# payload), it leaves HEADROOM bytes in front of it; Frame.views() writes the
+# header there and hands over the whole record as one view. A header longer
+# than HEADROOM (never seen: they take a few hundred bytes) or a payload in
+# the caller's memory go as two views, as before.
+
+
 @dataclass(frozen=True)
 class Frame:
     """An encoded span: ``header`` then ``payload``, written back to back.
 
     ``payload`` may be a view of the span's memory, so ``owner`` keeps that
-    memory alive until the frame is written.
+    memory alive until the frame is written. ``room``, when the payload's
+    memory has :data:`HEADROOM` free bytes in front of it: those bytes and
+    the payload, as one uint8 tensor (NOTE [ Records in one buffer ]).
 
     Example:
         >>> import torch
@@ -340,11 +358,29 @@ class Frame:
     header: bytes
     payload: memoryview
     owner: object
+    room: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         """Length of the whole record."""
         return len(self.header) + self.payload.nbytes
+
+    def views(self) -> list[bytes | memoryview]:
+        """The record as the backend writes it: one view where the header fits in front.
+
+        Example:
+            >>> import torch
+            >>> from tierstore import codec
+            >>> f = codec.encode(torch.zeros(1000), "zstd")
+            >>> [len(v) for v in f.views()] == [f.nbytes]
+            True
+        """
+        n = len(self.header)
+        if self.room is None or n > HEADROOM:
+            return [self.header, self.payload]
+        record = self.room[HEADROOM - n :]
+        record[:n].copy_(torch.frombuffer(bytearray(self.header), dtype=torch.uint8))
+        return [byte_view(record)]
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -401,6 +437,8 @@ def encode(
     compression: Compression = "none",
     level: int = 1,
     alloc: Alloc | None = None,
+    *,
+    headroom: bool = False,
 ) -> Frame:
     """Frame a 1-D CPU span as a self-describing record.
 
@@ -411,6 +449,9 @@ def encode(
         level: zstd level.
         alloc: where the shuffled bytes and the compressed payload go
             (``None``: the heap); unused without compression.
+        headroom: ``span``'s storage has :data:`HEADROOM` bytes of
+            tierstore's own in front of it, free for the header
+            (NOTE [ Records in one buffer ]).
 
     Example:
         >>> import torch, safetensors.torch
@@ -429,10 +470,11 @@ def encode(
             shuffled = _empty(raw.numel(), torch.uint8, alloc)
             shuffled.view(shuffle, -1).copy_(raw.view(-1, shuffle).t())
             raw = shuffled
-        out = _empty(_compress_bound(raw.numel()), torch.uint8, alloc)
-        data = _compress_into(raw, out, level)
+        out = _empty(HEADROOM + _compress_bound(raw.numel()), torch.uint8, alloc)
+        data = _compress_into(raw, out[HEADROOM:], level)
         meta = FrameMeta(dtype, span.numel(), "zstd", shuffle, data.nbytes, checksum(data))
-        return Frame(_header(meta, "U8", [data.nbytes]), data, out)
+        room = out[: HEADROOM + data.nbytes]
+        return Frame(_header(meta, "U8", [data.nbytes]), data, out, room)
     payload = byte_view(span)
     meta = FrameMeta(dtype, span.numel(), "none", 0, payload.nbytes, checksum(payload))
     st = _ST_DTYPES.get(dtype)
@@ -441,7 +483,16 @@ def encode(
         if st is not None
         else _header(meta, "U8", [payload.nbytes])
     )
-    return Frame(header, payload, span)
+    return Frame(header, payload, span, _room(span) if headroom else None)
+
+
+def _room(span: torch.Tensor) -> torch.Tensor | None:
+    """The HEADROOM bytes in front of ``span`` and ``span``'s bytes, as one uint8 tensor."""
+    start = span.storage_offset() * span.element_size()
+    if start < HEADROOM:
+        return None
+    whole = torch.empty(0, dtype=torch.uint8).set_(span.untyped_storage())
+    return whole[start - HEADROOM : start + span.numel() * span.element_size()]
 
 
 def _compress_bound(nbytes: int) -> int:

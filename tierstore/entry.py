@@ -63,6 +63,7 @@ class Entry:
         "record",
         "refs",
         "source",
+        "staged",
         "stale",
         "tensor",
         "tier",
@@ -99,6 +100,9 @@ class Entry:
         self.ready: torch.cuda.Event | None = None
         self.source: torch.Tensor | None = None
         self.block: HostBlock | None = None
+        # self.tensor is a copy in a leased buffer, codec.HEADROOM bytes in
+        # (NOTE [ Write staging ] in tierstore/writebehind.py).
+        self.staged = False
         self.refs = 1
 
     def let_go_of_original(self) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -94,6 +95,8 @@ def _store(
     spans: list[torch.Tensor],
     config: TierConfig,
     alloc: codec.Alloc | None,
+    *,
+    headroom: bool = False,
 ) -> Record:
     """Encode the span in ``spans`` and write it under ``key``: one executor job, as :func:`_load`.
 
@@ -102,9 +105,11 @@ def _store(
     moment after the job ends, and the span's memory may be a leased buffer
     that should be back in its pool when the write's future is done.
     """
-    frame = codec.encode(spans.pop(), config.compression, config.compression_level, alloc)
+    frame = codec.encode(
+        spans.pop(), config.compression, config.compression_level, alloc, headroom=headroom
+    )
     meta = codec.parse_header(frame.header)  # before the write: a bad frame leaves nothing
-    footprint = backend.write(key, [frame.header, frame.payload])
+    footprint = backend.write(key, frame.views())
     return Record(frame.header, meta, footprint)
 
 
@@ -312,6 +317,8 @@ class Pipeline:
         done: Callable[[concurrent.futures.Future[Record]], None] | None = None,
         ready: torch.cuda.Event | None = None,
         alloc: codec.Alloc | None = None,
+        *,
+        headroom: bool = False,
     ) -> concurrent.futures.Future[Record]:
         """Encode ``span`` and write it under ``key`` in the background.
 
@@ -319,9 +326,12 @@ class Pipeline:
         given, runs on the I/O thread when the write ends; it must not block.
         ``ready``: the D2H copy that fills ``span``; the write waits for it.
         ``alloc``: where compression's scratch goes (the heap if ``None``).
+        ``headroom``: ``span`` has :data:`~tierstore.codec.HEADROOM` bytes of
+        tierstore's own in front of it (NOTE [ Records in one buffer ]).
         """
         loop = self._running_loop()  # first: it may raise, and then no coroutine is made
-        future = asyncio.run_coroutine_threadsafe(self._write(key, span, ready, alloc), loop)
+        write = self._write(key, span, ready, alloc, headroom)
+        future = asyncio.run_coroutine_threadsafe(write, loop)
         if done is not None:
             future.add_done_callback(done)
         return future
@@ -351,11 +361,13 @@ class Pipeline:
         span: torch.Tensor,
         ready: torch.cuda.Event | None,
         alloc: codec.Alloc | None,
+        headroom: bool,
     ) -> Record:
         backend = self._backend_or_open()
         if ready is not None:  # NOTE [ Copies on CUDA ]: the bytes are still arriving
             await _blocking(ready.synchronize)
-        record: Record = await _blocking(_store, backend, key, [span], self._config, alloc)
+        store = functools.partial(_store, headroom=headroom)
+        record: Record = await _blocking(store, backend, key, [span], self._config, alloc)
         return record
 
     async def _read(

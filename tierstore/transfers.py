@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tierstore import codec
 from tierstore.backends.host import HostBlock, HostPool
 from tierstore.config import TierConfig
 from tierstore.entry import Entry
@@ -220,13 +221,15 @@ class Transfers:
     def stage(self, span: torch.Tensor) -> torch.Tensor:
         """A copy of a CPU span in a leased buffer; the span itself when the pool is full.
 
-        NOTE [ Write staging ] in tierstore/writebehind.py.
+        The copy starts :data:`~tierstore.codec.HEADROOM` bytes into its
+        buffer, room for its record's header (NOTE [ Records in one buffer ]
+        in tierstore/codec.py). NOTE [ Write staging ] in tierstore/writebehind.py.
         """
         nbytes = span.numel() * span.element_size()
-        buf = self._pool(pinned=False).lease(nbytes)
+        buf = self._pool(pinned=False).lease(codec.HEADROOM + nbytes)
         if buf is None:
             return span
-        return buf.view(span.dtype).copy_(span)
+        return buf[codec.HEADROOM :].view(span.dtype).copy_(span)
 
     def to_host(self, entry: Entry, span: torch.Tensor, *, staged: bool = False) -> None:
         """Rest ``entry``'s bytes in host memory: a copy off the device, or the span itself.
@@ -234,10 +237,15 @@ class Transfers:
         ``staged``: a CPU span that is still the caller's memory is copied into
         a leased buffer (NOTE [ Write staging ] in tierstore/writebehind.py).
         """
+        # Only a staged copy has room in front (NOTE [ Records in one buffer ]
+        # in tierstore/codec.py), and only while it stays the entry's bytes (a
+        # rewrite after a failed write passes the same tensor back).
         if staged and span.device.type == "cpu" and entry.probe is not None:
             copy = HostCopy(self.stage(span))
+            entry.staged = copy.tensor is not span
         else:
             copy = self.host_copy(span)
+            entry.staged = entry.staged and copy.tensor is entry.tensor
         if copy.tensor is span:
             entry.tensor = span  # already host memory (CPU, or an entry on the host tier)
             return

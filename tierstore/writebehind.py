@@ -58,7 +58,9 @@ __all__ = ["WriteBehind"]
 # memory is freed when forward drops it, as in eager, and the queue's bytes
 # live in pages tierstore recycles (lowest free extent first: NOTE [ Extent
 # allocation ]) and hands back between steps. The copy runs at memory speed
-# on the caller's thread; the O_DIRECT bounce copy on the I/O thread is
+# on the caller's thread, HEADROOM bytes into its buffer so that LMDB gets
+# the record as one value without a join (NOTE [ Records in one buffer ] in
+# tierstore/codec.py); the O_DIRECT bounce copy on the I/O thread is
 # unchanged. Spans that are already a copy (a compact copy of a view, a
 # pinned block) and CPU entries of the host tier are not copied again; a
 # full pool writes from the original, as before.
@@ -148,7 +150,7 @@ class WriteBehind:
         assert self._transfers is not None
         scratch = self._transfers.allocator(entry.tensor.device)  # compression's, on a CPU
         entry.writing = self._pipeline.submit_write(
-            entry.key, entry.tensor, written, entry.ready, scratch
+            entry.key, entry.tensor, written, entry.ready, scratch, headroom=entry.staged
         )
 
     def futures(self, *, dead_only: bool = False) -> list[concurrent.futures.Future[Record]]:
