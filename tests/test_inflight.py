@@ -70,6 +70,19 @@ def slow_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(FileBackend, "_load", slow)
 
 
+def _gated_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Disk writes wait for the returned event (or 5 s)."""
+    gate = threading.Event()
+    original = FileBackend._store
+
+    def gated(self: FileBackend, *args: Any) -> None:
+        gate.wait(5)
+        original(self, *args)
+
+    monkeypatch.setattr(FileBackend, "_store", gated)
+    return gate
+
+
 def _chain(x: torch.Tensor, n: int) -> torch.Tensor:
     for _ in range(n):
         x = x.sin()  # each saves its 64 KiB input
@@ -130,14 +143,7 @@ def test_the_window_never_passes_prefetch_bytes(
 def test_the_write_queue_grows_after_pack_waits_and_shrinks_without_them(
     spill_root: Path, small_limits: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    gate = threading.Event()
-    original = FileBackend._store
-
-    def gated(self: FileBackend, *args: Any) -> None:
-        gate.wait(5)
-        original(self, *args)
-
-    monkeypatch.setattr(FileBackend, "_store", gated)
+    gate = _gated_writes(monkeypatch)
     x = torch.randn(16 * 1024, requires_grad=True)
     with tierstore.TierStore(_config(spill_root, write_queue_bytes="4MiB")) as store:
         assert store.stats().write_queue_limit_bytes == 128 << 10
@@ -295,19 +301,6 @@ def test_gradients_are_exact_with_pooled_buffers(
 
 
 # -- write staging (NOTE [ Write staging ]) ---------------------------------------------
-
-
-def _gated_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Disk writes wait for the returned event (or 5 s)."""
-    gate = threading.Event()
-    original = FileBackend._store
-
-    def gated(self: FileBackend, *args: Any) -> None:
-        gate.wait(5)
-        original(self, *args)
-
-    monkeypatch.setattr(FileBackend, "_store", gated)
-    return gate
 
 
 def test_a_queued_write_lets_go_of_the_callers_memory_at_once(
