@@ -383,7 +383,7 @@ class TierStore:
         if self._unpacks != self._step_unpacks:  # a backward ran: a step ended
             self._step_ended()
         # Only while the warning could still be due: it costs a lock.
-        watch = not self._warned and not self._manager.tally.moved
+        watch = not self._warned and not self._manager.moved
         block = _Block(
             saved_tensors_hooks(self._pack, self._unpack),
             self._manager.pack_tally() if watch else None,
@@ -408,7 +408,7 @@ class TierStore:
         before = block.before
         if not ok or before is None or self._warned or self._manager.closed:
             return
-        if self._manager.tally.moved:
+        if self._manager.moved:
             return
         message = (
             self._manager.pack_tally()
@@ -537,9 +537,7 @@ class TierStore:
     @torch._compile._disable_dynamo
     def _pack(self, t: torch.Tensor) -> Handle | _Kept:
         tier = _requested_tier()
-        nbytes = _offload_nbytes(t, self._min_bytes)
-        if tier == "device" and not isinstance(nbytes, str):
-            nbytes = "keep"
+        nbytes = "keep" if tier == "device" else _offload_nbytes(t, self._min_bytes)
         if isinstance(nbytes, str):
             # Only kept tensors can be tracing placeholders (subclasses are
             # never offloaded), so the offload path pays no check for them.

@@ -200,7 +200,7 @@ class TierManager:
             dedupe_key = _dedupe_key(t, storage)
             entry = self._deduplicated_entry(dedupe_key, storage)
             if entry is not None:
-                self._tally_landing(entry, 0, None)
+                self._tally(entry, 0)
                 return self._handle(entry, t)
             if self._schedule.unpacking:
                 self._step_started()
@@ -208,9 +208,8 @@ class TierManager:
             self.check_open()  # closed by another thread while this one waited
             size = resting_nbytes(t) if nbytes is None else nbytes
             entry = Entry(next(self._keys), t.detach(), size)
-            on_device = len(self._tiers["device"].entries)
             self._land(entry, 0 if tier is None else TIERS.index(tier))
-            self._tally_landing(entry, size, on_device)
+            self._tally(entry, size)
             self._entries[entry.key] = entry
             self._schedule.packed(entry.key, (dedupe_key[2], t.dtype))
             with contextlib.suppress(TypeError):  # storages that refuse weak references
@@ -295,17 +294,14 @@ class TierManager:
         with self._lock:
             return self.tally.copy()
 
-    def _tally_landing(self, entry: Entry, nbytes: int, on_device: int | None) -> None:
-        """Count a save by where it went: below the device, or within device_budget.
+    def _tally(self, entry: Entry, nbytes: int) -> None:
+        """Count a save by where it landed: within device_budget, or below the device."""
+        self.tally.add("device_budget" if entry.tier == "device" else "offloaded", nbytes)
 
-        ``on_device``: the device tier's entries before it landed; fewer after
-        (it included) means that it pushed older ones down: they moved.
-        """
-        demoted = on_device is not None and (
-            len(self._tiers["device"].entries) < on_device + (entry.tier == "device")
-        )
-        stayed = entry.tier == "device" and not demoted
-        self.tally.add("device_budget" if stayed else "offloaded", nbytes)
+    @property
+    def moved(self) -> bool:
+        """Whether anything ever left the device: the host or disk tier held bytes."""
+        return self._tiers["host"].peak > 0 or self._tiers["disk"].peak > 0
 
     def stats(self) -> Stats:
         """A snapshot of the counters; see :class:`~tierstore.stats.Stats`.
