@@ -26,15 +26,32 @@ import mmap
 import threading
 from collections.abc import Iterator
 
-__all__ = ["AlignedBuffer", "AlignedBufferPool", "copy"]
+__all__ = ["PRIVATE", "AlignedBuffer", "AlignedBufferPool", "address", "copy"]
+
+#: Flags of every anonymous mapping tierstore makes. Private, not Python's
+#: default MAP_SHARED: shared anonymous memory is shmem, which the kernel
+#: counts as shared (RssShmem, not RssAnon) and which ``MADV_DONTNEED`` only
+#: unmaps from the process without freeing. Private pages are plain anonymous
+#: memory: counted where a user looks (``top``'s RES, RssAnon) and freed when
+#: handed back.
+PRIVATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 
 # Below this, a slice assignment is quicker than finding two addresses.
 _GIL_FREE_MIN = 64 * 1024
 
 
-def _address(view: memoryview) -> int:
-    # A writable, contiguous byte view's first byte; the c_char holding the
-    # export is dropped at once, so nothing keeps the buffer pinned.
+def address(view: memoryview) -> int:
+    """The address of a writable, contiguous byte view's first byte.
+
+    The ``c_char`` holding the export is dropped at once, so nothing keeps
+    the buffer pinned.
+
+    Example:
+        >>> import mmap
+        >>> from tierstore.backends._aligned import address
+        >>> address(memoryview(mmap.mmap(-1, 4096))) % 4096
+        0
+    """
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
@@ -58,7 +75,7 @@ def copy(dst: memoryview, src: memoryview) -> None:
     if src.readonly or n < _GIL_FREE_MIN:
         dst[:] = src
     else:
-        ctypes.memmove(_address(dst), _address(src), n)
+        ctypes.memmove(address(dst), address(src), n)
 
 
 class AlignedBuffer:
@@ -76,9 +93,9 @@ class AlignedBuffer:
     __slots__ = ("_map", "address", "view")
 
     def __init__(self, nbytes: int) -> None:
-        self._map = mmap.mmap(-1, nbytes)
+        self._map = mmap.mmap(-1, nbytes, flags=PRIVATE)
         self.view = memoryview(self._map)
-        self.address = _address(self.view)
+        self.address = address(self.view)
 
     @property
     def closed(self) -> bool:

@@ -175,3 +175,45 @@ def test_byte_view_keeps_its_tensor_alive() -> None:
     del view
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_a_large_record_in_our_own_buffer_starts_on_a_page(compression: str) -> None:
+    # NOTE [ Records in one buffer ]: the header fills the page in front of the
+    # payload, so O_DIRECT moves the record without a bounce copy.
+    numel = codec.ALIGNED_MIN // 2  # 2x the bound: zstd leaves random floats above it
+    buf = torch.empty(codec.HEADROOM + 4 * numel, dtype=torch.uint8)
+    span = buf[codec.HEADROOM :].view(torch.float32)
+    span.copy_(torch.randn(numel))
+    frame = codec.encode(span, compression, headroom=True)  # type: ignore[arg-type]
+    assert len(frame.header) == codec.HEADROOM
+    (record,) = frame.views()
+    assert len(record) == frame.nbytes
+    if compression == "none":
+        assert bytes(record[: codec.HEADROOM]) == frame.header
+        assert torch.frombuffer(record, dtype=torch.uint8).data_ptr() == buf.data_ptr()
+    loaded = safetensors.torch.load(bytes(record))["span"]  # still a safetensors file
+    meta = codec.parse_header(frame.header)
+    if compression == "none":
+        assert torch.equal(loaded, span)
+    assert torch.equal(codec.decode(meta, bytearray(frame.payload)), span)
+
+
+def test_small_records_and_records_in_the_callers_memory_keep_a_short_header() -> None:
+    small = torch.empty(codec.HEADROOM + 100, dtype=torch.uint8)[codec.HEADROOM :]
+    assert len(codec.encode(small, headroom=True).header) < 512
+    large = torch.zeros(codec.ALIGNED_MIN)  # the caller's: no room in front
+    assert len(codec.encode(large, headroom=True).header) < 512
+    assert len(codec.encode(large).header) < 512
+
+
+def test_a_padded_record_reads_back_as_one_view() -> None:
+    span = torch.randn(codec.ALIGNED_MIN // 4)
+    meta = codec.parse_header(codec.encode(span).header)
+    payload = codec.payload_tensor(meta, header_bytes=codec.HEADROOM)
+    whole = codec.record_view(payload)
+    assert len(whole) == codec.HEADROOM + 4 * span.numel()
+    whole[codec.HEADROOM :] = codec.byte_view(span)
+    assert torch.equal(codec.decode(meta, payload), span)
+    with pytest.raises(ValueError, match="no HEADROOM bytes in front"):
+        codec.record_view(codec.payload_tensor(meta))

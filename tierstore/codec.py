@@ -52,6 +52,7 @@ __all__ = [
     "from_span",
     "parse_header",
     "payload_tensor",
+    "record_view",
     "to_span",
 ]
 
@@ -336,6 +337,17 @@ HEADROOM = 4096
 # header there and hands over the whole record as one view. A header longer
 # than HEADROOM (never seen: they take a few hundred bytes) or a payload in
 # the caller's memory go as two views, as before.
+#
+# A payload of ALIGNED_MIN bytes or more gets its header padded (with spaces
+# inside the JSON, as safetensors pads it) to exactly HEADROOM bytes. The
+# record then starts where tierstore's buffer starts, on a page, and its
+# payload a page later in the file and in memory; the file backend's O_DIRECT
+# path writes it, and reads it back, without a bounce copy (NOTE [ File
+# backend O_DIRECT ]). Smaller payloads keep the short header: there the copy
+# costs nothing and a padded header could double the record.
+
+#: Payloads of at least this many bytes get a header of exactly HEADROOM bytes.
+ALIGNED_MIN = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -408,7 +420,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(window).cast("B")
 
 
-def _header(meta: FrameMeta, st_dtype: str, st_shape: list[int]) -> bytes:
+def _header(meta: FrameMeta, st_dtype: str, st_shape: list[int], *, padded: bool) -> bytes:
     body = json.dumps(
         {
             "__metadata__": {
@@ -427,8 +439,10 @@ def _header(meta: FrameMeta, st_dtype: str, st_shape: list[int]) -> bytes:
         },
         separators=(",", ":"),
     ).encode()
-    # safetensors pads the JSON with spaces so that the payload starts 8-aligned.
-    body += b" " * (-len(body) % 8)
+    # safetensors pads the JSON with spaces so that the payload starts 8-aligned;
+    # a padded header fills HEADROOM (NOTE [ Records in one buffer ]).
+    fill = HEADROOM - 8 - len(body) if padded and len(body) <= HEADROOM - 8 else -len(body) % 8
+    body += b" " * fill
     return struct.pack("<Q", len(body)) + body
 
 
@@ -473,17 +487,19 @@ def encode(
         out = _empty(HEADROOM + _compress_bound(raw.numel()), torch.uint8, alloc)
         data = _compress_into(raw, out[HEADROOM:], level)
         meta = FrameMeta(dtype, span.numel(), "zstd", shuffle, data.nbytes, checksum(data))
-        room = out[: HEADROOM + data.nbytes]
-        return Frame(_header(meta, "U8", [data.nbytes]), data, out, room)
+        header = _header(meta, "U8", [data.nbytes], padded=data.nbytes >= ALIGNED_MIN)
+        return Frame(header, data, out, out[: HEADROOM + data.nbytes])
     payload = byte_view(span)
     meta = FrameMeta(dtype, span.numel(), "none", 0, payload.nbytes, checksum(payload))
+    room = _room(span) if headroom else None
+    padded = room is not None and payload.nbytes >= ALIGNED_MIN
     st = _ST_DTYPES.get(dtype)
     header = (
-        _header(meta, st, [span.numel()])
+        _header(meta, st, [span.numel()], padded=padded)
         if st is not None
-        else _header(meta, "U8", [payload.nbytes])
+        else _header(meta, "U8", [payload.nbytes], padded=padded)
     )
-    return Frame(header, payload, span, _room(span) if headroom else None)
+    return Frame(header, payload, span, room)
 
 
 def _room(span: torch.Tensor) -> torch.Tensor | None:
@@ -630,11 +646,15 @@ def decode(
     return out.view(meta.dtype)
 
 
-def payload_tensor(meta: FrameMeta, alloc: Alloc | None = None) -> torch.Tensor:
+def payload_tensor(
+    meta: FrameMeta, alloc: Alloc | None = None, *, header_bytes: int = 0
+) -> torch.Tensor:
     """An empty CPU tensor to read a record's payload into (then :func:`decode` it).
 
     Uncompressed payloads are allocated with their real dtype so that
     decoding them is free; ``alloc`` gives the memory (``None``: the heap).
+    ``header_bytes=HEADROOM`` leaves room for a padded header in front, in
+    the same buffer, so the whole record reads as one view (:func:`record_view`).
 
     Example:
         >>> import torch
@@ -642,6 +662,28 @@ def payload_tensor(meta: FrameMeta, alloc: Alloc | None = None) -> torch.Tensor:
         >>> codec.payload_tensor(codec.parse_header(codec.encode(torch.zeros(5)).header)).shape
         torch.Size([5])
     """
-    if meta.codec == "none":
-        return _empty(meta.raw_nbytes, meta.dtype, alloc)
-    return _empty(meta.payload_nbytes, torch.uint8, alloc)
+    dtype = meta.dtype if meta.codec == "none" else torch.uint8
+    nbytes = meta.raw_nbytes if meta.codec == "none" else meta.payload_nbytes
+    if header_bytes not in (0, HEADROOM):
+        raise ValueError(f"header_bytes={header_bytes}: 0 or HEADROOM ({HEADROOM})")
+    if header_bytes:
+        return _empty(HEADROOM + nbytes, torch.uint8, alloc)[HEADROOM:].view(dtype)
+    return _empty(nbytes, dtype, alloc)
+
+
+def record_view(payload: torch.Tensor) -> memoryview:
+    """The HEADROOM bytes in front of ``payload`` and ``payload``'s bytes, as one byte view.
+
+    For a payload from :func:`payload_tensor` with ``header_bytes=HEADROOM``.
+
+    Example:
+        >>> from tierstore import codec
+        >>> f = codec.encode(torch.zeros(1 << 16), headroom=False)
+        >>> meta = codec.parse_header(f.header)
+        >>> len(codec.record_view(codec.payload_tensor(meta, header_bytes=codec.HEADROOM)))
+        266240
+    """
+    room = _room(payload)
+    if room is None:
+        raise ValueError("record_view: the payload has no HEADROOM bytes in front of it")
+    return byte_view(room)

@@ -116,12 +116,22 @@ def _store(
 def _load(
     backend: Backend[Any], key: int, record: Record, alloc: codec.Alloc | None
 ) -> torch.Tensor:
-    """Read ``key``'s record into memory from ``alloc`` and decode it, checking every byte."""
-    header = bytearray(len(record.header))
-    payload = codec.payload_tensor(record.meta, alloc)
+    """Read ``key``'s record into memory from ``alloc`` and decode it, checking every byte.
+
+    A record with a padded header (NOTE [ Records in one buffer ]) is read as
+    one view, header and payload in the same buffer, page-aligned.
+    """
     where = f"entry {key} on the disk tier ({backend.name} backend, {backend.path})"
+    if len(record.header) == codec.HEADROOM:
+        payload = codec.payload_tensor(record.meta, alloc, header_bytes=codec.HEADROOM)
+        whole = codec.record_view(payload)
+        views, header = [whole], whole[: codec.HEADROOM]
+    else:
+        payload = codec.payload_tensor(record.meta, alloc)
+        header = memoryview(bytearray(len(record.header)))
+        views = [header, codec.byte_view(payload)]
     try:
-        backend.read_into(key, [memoryview(header), codec.byte_view(payload)])
+        backend.read_into(key, views)
     except OSError as exc:  # the backends wrap theirs; this is for any that slips through
         raise TierstoreError(f"tierstore: reading {where} failed: {exc}. {_LOST}") from exc
     if header != record.header:

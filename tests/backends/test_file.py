@@ -859,6 +859,59 @@ def test_short_direct_writes_and_reads_are_resumed(
     b.close()
 
 
+def _count_bounced(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Bytes copied through the bounce buffer, one item per copy."""
+    copied: list[int] = []
+    real_copy = file_backend.copy
+
+    def counting_copy(dst: memoryview, src: memoryview) -> None:
+        copied.append(src.nbytes)
+        real_copy(dst, src)
+
+    monkeypatch.setattr(file_backend, "copy", counting_copy)
+    return copied
+
+
+def test_aligned_views_go_straight_to_the_device_and_only_the_rest_bounces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = direct_backend(tmp_path, 1 * MiB)
+    copied = _count_bounced(monkeypatch)
+    data = random.Random(5).randbytes(20 * ALIGN + 99)
+    source = mmap.mmap(-1, 21 * ALIGN)  # page-aligned, as tierstore's buffers are
+    source[: len(data)] = data
+    b.write(1, [memoryview(source)[: len(data)]])
+    assert copied == [99]  # only the part block at the end
+    copied.clear()
+    target = mmap.mmap(-1, 21 * ALIGN)
+    b.read_into(1, [memoryview(target)[: len(data)]])
+    assert target[: len(data)] == data
+    assert copied == [99]
+    copied.clear()
+    # An aligned view behind a short, read-only header: the header starts the
+    # record, so nothing after it is aligned in the file and all of it bounces.
+    b.write(2, [b"head", memoryview(source)[: 2 * ALIGN]])
+    assert sum(copied) == 4 + 2 * ALIGN
+    assert read(b, 2, [4, 2 * ALIGN]) == b"head" + data[: 2 * ALIGN]
+    b.close()
+
+
+def test_direct_reads_stop_at_a_truncated_file(tmp_path: Path) -> None:
+    b = direct_backend(tmp_path, 1 * MiB)
+    b.write(1, [memoryview(mmap.mmap(-1, 8 * ALIGN))])
+    path = b.directory / "entries.bin"
+    os.truncate(path, 3 * ALIGN)
+    target = mmap.mmap(-1, 8 * ALIGN)
+    with pytest.raises(CorruptDataError) as info:
+        b.read_into(1, [memoryview(target)])
+    assert str(info.value) == (
+        f"tierstore: entry 1 in the disk tier ({path}) ends early: the file ends after "
+        f"{3 * ALIGN} of its {8 * ALIGN} bytes at offset 0; "
+        "the file was truncated outside tierstore"
+    )
+    b.close()
+
+
 def test_truncated_inside_a_block_is_corrupt(backend: FileBackend) -> None:
     backend.write(1, [bytes(ALIGN)])
     backend.write(2, [bytes(3 * ALIGN)])
