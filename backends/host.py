@@ -33,15 +33,23 @@ That return can happen on any thread at any moment (a garbage collection
 inside :meth:`HostPool.take`, say), so it only queues the block; whoever
 next holds the pool's lock puts it back.
 
-Unpinned chunks are anonymous ``mmap`` memory: only pages written to are
-resident, and :meth:`HostPool.trim` hands the pages of chunks with no block
-out back to the kernel (``MADV_DONTNEED``), so memory recycled within a
-step does not stay resident between steps. Pinned chunks are never trimmed:
-pinning is what the pool exists to do once.
+Unpinned chunks are private anonymous ``mmap`` memory (``PRIVATE`` in
+``_aligned.py`` says why not shared): only pages written to are resident,
+and :meth:`HostPool.trim` hands the pages of chunks with no block out back
+to the kernel (``MADV_DONTNEED``), so memory recycled within a step does not
+stay resident between steps. They ask for transparent huge pages
+(``MADV_HUGEPAGE``, which a kernel whose THP mode is ``madvise``, a common
+default, grants only to mappings that ask): a chunk faulted back in after a
+trim then costs one fault per 2 MiB instead of per 4 KiB, and the direct
+I/O that reads into and writes from it pins a few large pages instead of
+many small ones. In ``bench train``'s model this took 7% off the step (two
+runs each way) on a machine where both cores train. Pinned chunks are never
+trimmed: pinning is what the pool exists to do once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import threading
@@ -50,6 +58,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierstore.backends._aligned import PRIVATE
 from tierstore.backends._extents import ExtentAllocator
 from tierstore.errors import StoreClosedError
 
@@ -91,7 +100,11 @@ class _Chunk:
         if pin:
             self.memory = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         else:  # NOTE [ Leased buffers ]: pages can be handed back
-            self.map = mmap.mmap(-1, nbytes)
+            self.map = mmap.mmap(-1, nbytes, flags=PRIVATE)
+            huge = getattr(mmap, "MADV_HUGEPAGE", None)
+            if huge is not None:
+                with contextlib.suppress(OSError):  # a kernel without THP
+                    self.map.madvise(huge)
             self.memory = torch.frombuffer(self.map, dtype=torch.uint8)
         self.alloc = ExtentAllocator(nbytes)
         self.used = 0

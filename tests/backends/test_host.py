@@ -51,6 +51,22 @@ def test_grows_by_step_up_to_capacity_then_declines() -> None:
     pool.close()
 
 
+def test_trim_frees_the_pages_instead_of_only_unmapping_them() -> None:
+    # Private anonymous memory: MADV_DONTNEED frees the pages and the next
+    # touch gets zeroed ones. A shared mapping (Python's mmap default) would
+    # keep the bytes in shmem, resident but not counted as anonymous memory.
+    pool = HostPool(capacity=1 << 20, step=1 << 20, pin=False)
+    block = pool.take(1 << 20)
+    assert block is not None
+    block.tensor.fill_(7)
+    pool.give(block)
+    assert pool.trim() == 1 << 20
+    again = pool.take(1 << 20)
+    assert again is not None and again.offset == block.offset
+    assert int(again.tensor.max()) == 0
+    pool.close()
+
+
 def test_a_block_larger_than_a_step_gets_its_own_chunk() -> None:
     pool = HostPool(capacity=1 << 20, step=BLOCK_ALIGN, pin=False)
     big = pool.take(3 * BLOCK_ALIGN - 5)
