@@ -210,7 +210,7 @@ def test_small_records_and_records_in_the_callers_memory_keep_a_short_header() -
 def test_a_padded_record_reads_back_as_one_view() -> None:
     span = torch.randn(codec.ALIGNED_MIN // 4)
     meta = codec.parse_header(codec.encode(span).header)
-    payload = codec.payload_tensor(meta, header_bytes=codec.HEADROOM)
+    payload = codec.payload_tensor(meta, headroom=True)
     whole = codec.record_view(payload)
     assert len(whole) == codec.HEADROOM + 4 * span.numel()
     whole[codec.HEADROOM :] = codec.byte_view(span)

@@ -494,12 +494,8 @@ def encode(
     room = _room(span) if headroom else None
     padded = room is not None and payload.nbytes >= ALIGNED_MIN
     st = _ST_DTYPES.get(dtype)
-    header = (
-        _header(meta, st, [span.numel()], padded=padded)
-        if st is not None
-        else _header(meta, "U8", [payload.nbytes], padded=padded)
-    )
-    return Frame(header, payload, span, room)
+    st_dtype, st_shape = (st, [span.numel()]) if st is not None else ("U8", [payload.nbytes])
+    return Frame(_header(meta, st_dtype, st_shape, padded=padded), payload, span, room)
 
 
 def _room(span: torch.Tensor) -> torch.Tensor | None:
@@ -647,14 +643,15 @@ def decode(
 
 
 def payload_tensor(
-    meta: FrameMeta, alloc: Alloc | None = None, *, header_bytes: int = 0
+    meta: FrameMeta, alloc: Alloc | None = None, *, headroom: bool = False
 ) -> torch.Tensor:
     """An empty CPU tensor to read a record's payload into (then :func:`decode` it).
 
     Uncompressed payloads are allocated with their real dtype so that
     decoding them is free; ``alloc`` gives the memory (``None``: the heap).
-    ``header_bytes=HEADROOM`` leaves room for a padded header in front, in
-    the same buffer, so the whole record reads as one view (:func:`record_view`).
+    ``headroom`` leaves :data:`HEADROOM` bytes in front, in the same buffer,
+    for a padded header, so the whole record reads as one view
+    (:func:`record_view`).
 
     Example:
         >>> import torch
@@ -664,9 +661,7 @@ def payload_tensor(
     """
     dtype = meta.dtype if meta.codec == "none" else torch.uint8
     nbytes = meta.raw_nbytes if meta.codec == "none" else meta.payload_nbytes
-    if header_bytes not in (0, HEADROOM):
-        raise ValueError(f"header_bytes={header_bytes}: 0 or HEADROOM ({HEADROOM})")
-    if header_bytes:
+    if headroom:
         return _empty(HEADROOM + nbytes, torch.uint8, alloc)[HEADROOM:].view(dtype)
     return _empty(nbytes, dtype, alloc)
 
@@ -674,13 +669,13 @@ def payload_tensor(
 def record_view(payload: torch.Tensor) -> memoryview:
     """The HEADROOM bytes in front of ``payload`` and ``payload``'s bytes, as one byte view.
 
-    For a payload from :func:`payload_tensor` with ``header_bytes=HEADROOM``.
+    For a payload from :func:`payload_tensor` with ``headroom=True``.
 
     Example:
         >>> from tierstore import codec
         >>> f = codec.encode(torch.zeros(1 << 16), headroom=False)
         >>> meta = codec.parse_header(f.header)
-        >>> len(codec.record_view(codec.payload_tensor(meta, header_bytes=codec.HEADROOM)))
+        >>> len(codec.record_view(codec.payload_tensor(meta, headroom=True)))
         266240
     """
     room = _room(payload)

@@ -123,7 +123,7 @@ def _load(
     """
     where = f"entry {key} on the disk tier ({backend.name} backend, {backend.path})"
     if len(record.header) == codec.HEADROOM:
-        payload = codec.payload_tensor(record.meta, alloc, header_bytes=codec.HEADROOM)
+        payload = codec.payload_tensor(record.meta, alloc, headroom=True)
         whole = codec.record_view(payload)
         views, header = [whole], whole[: codec.HEADROOM]
     else:

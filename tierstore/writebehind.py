@@ -60,8 +60,9 @@ __all__ = ["WriteBehind"]
 # allocation ]) and hands back between steps. The copy runs at memory speed
 # on the caller's thread, HEADROOM bytes into its buffer so that LMDB gets
 # the record as one value without a join (NOTE [ Records in one buffer ] in
-# tierstore/codec.py); the O_DIRECT bounce copy on the I/O thread is
-# unchanged. Spans that are already a copy (a compact copy of a view, a
+# tierstore/codec.py), and which also puts a large record on a page, so the
+# file backend's O_DIRECT path moves it without a bounce copy (NOTE [ File
+# backend O_DIRECT ]). Spans that are already a copy (a compact copy of a view, a
 # pinned block) and CPU entries of the host tier are not copied again; a
 # full pool writes from the original, as before.
 
