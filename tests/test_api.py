@@ -82,7 +82,9 @@ LAYERS = {
     # Integrations sit on top: the public store and offload_module, and nothing
     # in tierstore imports them (test_nothing_imports_the_integrations).
     "integrations": {"config", "errors", "hooks", "integrations", "stats"},
-    "hooks": {"config", "errors", "handle", "stats", "store"},
+    "hooks": {"config", "errors", "handle", "recompute", "stats", "store"},
+    # The autograd boundary's recorder (NOTE [ Recompute ]): ops, never bytes.
+    "recompute": {"errors"},
     "store": {
         "codec",
         "config",

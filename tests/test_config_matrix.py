@@ -51,6 +51,7 @@ FORMS = {
     "io_workers": "a whole number from 1 to 64",
     "compression": "one of 'none', 'zstd'",
     "compression_level": "a whole number from 1 to 22",
+    "recompute": "one of 'off', 'cheap'",
 }
 #: A regular file in the working directory (each test's tmp_path), for disk_path.
 A_FILE = "a-file"
@@ -182,6 +183,19 @@ OTHER_CASES = [
             ("toml-type", True, None, "true"),
             ("toml-type", False, None, "false"),
             ("toml-type", ["zstd"], None, '["zstd"]'),
+            ("type", None, None, None),
+        ],
+    ),
+    # recompute (a policy function is an argument of offload(), not a setting)
+    *_enum_cases(
+        "recompute",
+        "Input should be 'off' or 'cheap'",
+        [
+            ("enum", "on", "on", '"on"'),
+            ("enum", "CHEAP", "CHEAP", '"CHEAP"'),
+            ("enum", "", "", '""'),
+            ("toml-type", True, None, "true"),
+            ("toml-type", ["cheap"], None, '["cheap"]'),
             ("type", None, None, None),
         ],
     ),

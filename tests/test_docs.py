@@ -43,6 +43,7 @@ MODULES = [
     "tierstore.integrations.transformers",
     "tierstore.pipeline",
     "tierstore.readahead",
+    "tierstore.recompute",
     "tierstore.schedule",
     "tierstore.sizing",
     "tierstore.stats",

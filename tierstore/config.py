@@ -278,6 +278,12 @@ class TierConfig(BaseSettings):
     compression_level: Count = Field(
         default=1, ge=1, le=22, description="zstd level when compression='zstd'."
     )
+    recompute: Literal["off", "cheap"] = Field(
+        default="off",
+        description="'cheap': saved tensors that a cheap elementwise, normalisation or view "
+        "op made from inputs stored anyway are rebuilt in backward instead of stored "
+        "(NOTE [ Recompute ] in tierstore/recompute.py).",
+    )
 
     @field_validator("disk_path", mode="before")
     @classmethod

@@ -37,6 +37,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from tierstore.config import TierConfig, load_config
 from tierstore.errors import ConfigError, TierstoreError, TierstoreWarning
 from tierstore.handle import Handle
+from tierstore.recompute import Recipe, RecomputeSetting, Recorder, policy_of, shared_fetch
 from tierstore.stats import TIERS, PackTally, Placement, Stats, Tier, step_summary
 from tierstore.store import TierManager, resting_nbytes
 
@@ -256,7 +257,7 @@ def keep_module(module: torch.nn.Module, tier: Tier = "device") -> _KeepModule:
 class _Kept:
     """A saved tensor left on the device, with its version for the check at unpack."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("__weakref__", "tensor", "version")
 
     def __init__(self, tensor: torch.Tensor, version: int) -> None:
         self.tensor = tensor
@@ -298,13 +299,42 @@ def _checked(config: object, where: str) -> TierConfig | None:
 
 
 class _Block:
-    """One entered offload block: its hooks, and the tally when it began (or ``None``)."""
+    """One entered offload block: its hooks, its first tally (or ``None``), its recompute state."""
 
-    __slots__ = ("before", "hooks")
+    __slots__ = ("before", "hooks", "outer_recompute", "pushed")
 
     def __init__(self, hooks: saved_tensors_hooks, before: PackTally | None) -> None:
         self.hooks = hooks
         self.before = before
+        self.pushed: Recorder | None = None
+        self.outer_recompute = False
+
+
+# NOTE [ Recompute in blocks ]
+# One Recorder per thread (a dispatch mode is thread-local), pushed by the
+# outermost block that asks for recompute and popped when that block ends;
+# an inner block that asks for it uses the one already recording. Whether a
+# save may become a recipe is the innermost block's choice (_local.recompute),
+# as its hooks are the ones that run. Not in a block entered while make_fx or
+# a FakeTensorMode traces, nor while compiled autograd is on: its graph
+# unpacks saved tensors itself and must get today's handles.
+
+
+def _tracing() -> bool:
+    """Whether make_fx or a FakeTensorMode is tracing (NOTE [ Recompute in blocks ])."""
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(k) is not None for k in (keys.PROXY, keys.FAKE))
+
+
+def _recorder() -> Recorder | None:
+    """The thread's recorder, when the innermost offload() block asks for recompute."""
+    if not getattr(_local, "recompute", False):
+        return None
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    if ca is not None and (ca.compiled_autograd_enabled or ca.in_compiled_autograd_region):
+        return None
+    recorder: Recorder | None = getattr(_local, "recorder", None)
+    return recorder
 
 
 class TierStore:
@@ -339,6 +369,7 @@ class TierStore:
         self.config = _checked(config, "TierStore(config=...)") or load_config()
         self._manager = TierManager(self.config)
         self._min_bytes = int(self.config.min_offload_bytes)
+        self._recompute = policy_of(self.config.recompute)
         self._warned = False  # NOTE [ Is it working? ] in tierstore/stats.py
         # NOTE [ Step log ]: unpack calls so far, and at the last step's end.
         self._unpacks = 0
@@ -347,12 +378,18 @@ class TierStore:
         self._logged: Stats | None = None
 
     @contextlib.contextmanager
-    def offload(self) -> Iterator[TierStore]:
+    def offload(self, recompute: RecomputeSetting | None = None) -> Iterator[TierStore]:
         """Offload the tensors autograd saves inside this block.
 
         Hooks are thread-local and removed on exit, also on an exception.
         An inner ``offload()`` (of this or another store) wins over an outer
         one; ``torch.no_grad()`` saves nothing, so nothing is packed.
+
+        ``recompute`` overrides the store's ``recompute`` setting for this
+        block: ``"off"``, ``"cheap"``, or a policy function
+        ``(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy``
+        as selective activation checkpointing takes (NOTE [ Recompute ] in
+        ``tierstore/recompute.py``).
 
         The first block whose saves all stayed on the device, while nothing
         has left it since the store opened, issues a
@@ -369,7 +406,7 @@ class TierStore:
             ...     y = (x * 2).sin()
             >>> y.sum().backward(); store.close()
         """
-        block = self._open_block()
+        block = self._open_block(recompute)
         ok = False
         try:
             yield self
@@ -377,9 +414,10 @@ class TierStore:
         finally:
             self._close_block(block, ok, "this offload() block")
 
-    def _open_block(self) -> _Block:
+    def _open_block(self, recompute: RecomputeSetting | None = None) -> _Block:
         """Push the hooks; :meth:`_close_block` pops them (LIFO, as any hooks)."""
         self._manager.check_open()
+        policy = self._recompute if recompute is None else policy_of(recompute)
         if self._unpacks != self._step_unpacks:  # a backward ran: a step ended
             self._step_ended()
         # Only while the warning could still be due: it costs a lock.
@@ -396,15 +434,33 @@ class TierStore:
             _local.active -= 1
             _buffers.use(-1)
             raise
+        # NOTE [ Recompute in blocks ]
+        block.outer_recompute = getattr(_local, "recompute", False)
+        if policy is not None and _tracing():
+            policy = None  # make_fx, FakeTensorMode: tracing keeps today's path
+        _local.recompute = policy is not None
+        if policy is not None and getattr(_local, "recorder", None) is None:
+            block.pushed = _local.recorder = Recorder(policy, self._stays)
+            block.pushed.__enter__()  # type: ignore[no-untyped-call]
         return block
+
+    def _stays(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` stays on the device if saved: a recipe may hold it as it is."""
+        return isinstance(_offload_nbytes(t, self._min_bytes), str)
 
     def _close_block(self, block: _Block, ok: bool, where: str) -> None:
         """Pop the hooks; warn if nothing left the device (NOTE [ Is it working? ])."""
         try:
-            block.hooks.__exit__(None, None, None)
+            if block.pushed is not None:
+                _local.recorder = None
+                block.pushed.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         finally:
-            _local.active -= 1
-            _buffers.use(-1)
+            _local.recompute = block.outer_recompute
+            try:
+                block.hooks.__exit__(None, None, None)
+            finally:
+                _local.active -= 1
+                _buffers.use(-1)
         before = block.before
         if not ok or before is None or self._warned or self._manager.closed:
             return
@@ -535,7 +591,7 @@ class TierStore:
     # autograd calls the unpack hook from its graph. _disable_dynamo is
     # torch.compiler.disable, importing torch._dynamo only at the first call.
     @torch._compile._disable_dynamo
-    def _pack(self, t: torch.Tensor) -> Handle | _Kept:
+    def _pack(self, t: torch.Tensor) -> Handle | _Kept | Recipe:
         tier = _requested_tier()
         nbytes = "keep" if tier == "device" else _offload_nbytes(t, self._min_bytes)
         if isinstance(nbytes, str):
@@ -553,14 +609,37 @@ class TierStore:
                 # a FunctionalTensor op here.
                 return _Kept(t, t._version)
             self._manager.count_kept(t.numel() * t.element_size(), nbytes)
-            return _Kept(t.detach(), t._version)
-        if tier is None:  # the common case; also what wrappers of put() in tests expect
-            return self._manager.put(t, nbytes)
-        return self._manager.put(t, nbytes, tier)
+            kept = _Kept(t.detach(), t._version)
+            recorder = _recorder()
+            if recorder is not None:
+                recorder.note_packed(t, kept, None)
+            return kept
+        recorder = _recorder()
+        if recorder is None:
+            if tier is None:  # the common case; also what wrappers of put() in tests expect
+                return self._manager.put(t, nbytes)
+            return self._manager.put(t, nbytes, tier)
+        packed: Handle | Recipe | None = None
+        if tier is None:  # keep(tier="host" or "disk") asks for storage
+            packed = recorder.recipe_for(t, nbytes)
+            if packed is not None:
+                self._manager.count_recomputed(nbytes)
+        if packed is None:
+            packed = self._manager.put(t, nbytes, tier)
+            recorder.note_packed(t, packed, self._manager.get)
+        else:
+            recorder.note_packed(t, packed, None)
+        return packed
 
     @torch._compile._disable_dynamo
-    def _unpack(self, packed: Handle | _Kept) -> torch.Tensor:
+    def _unpack(self, packed: Handle | _Kept | Recipe) -> torch.Tensor:
         self._unpacks += 1  # NOTE [ Step log ]; a lost update under threads only delays a line
+        return self._fetch(packed)
+
+    def _fetch(self, packed: Handle | _Kept | Recipe) -> torch.Tensor:
+        """The tensor a packed object stands for (also a recipe's input)."""
+        if type(packed) is Recipe:
+            return packed.rebuild()
         if type(packed) is _Kept:
             t = packed.tensor
             if t._version != packed.version:
@@ -573,7 +652,9 @@ class TierStore:
                 )
             return t
         assert isinstance(packed, Handle)
-        return self._manager.get(packed)
+        # Read once for this unpack and the recipes that take it as an input.
+        shared = shared_fetch(packed)
+        return shared if shared is not None else self._manager.get(packed)
 
 
 # -- the process-wide stores behind tierstore.offload() ------------------------
@@ -626,8 +707,11 @@ def offload(config: TierConfig | None = None, **overrides: Any) -> Iterator[Tier
         >>> store.stats().tiers["host"].bytes
         0
     """
+    # A policy function is not a setting (no env var or TOML can hold one): it
+    # goes to the block, and the store's own setting stays as resolved.
+    policy = overrides.pop("recompute") if callable(overrides.get("recompute")) else None
     config = _resolved(config, overrides, "tierstore.offload(config=...)")
-    with _store_for(config).offload() as store:
+    with _store_for(config).offload(policy) as store:
         yield store
 
 

@@ -91,6 +91,10 @@ class Stats:
             its pool now.
         buffer_misses: buffers that found the pool full and came from the
             heap.
+        recomputed: saves backward rebuilds instead of reading back
+            (``recompute="cheap"`` or a policy; NOTE [ Recompute ] in
+            ``tierstore/recompute.py``): never stored, never moved.
+        recomputed_bytes: the bytes those saves would have been stored in.
 
     Example:
         >>> import torch, tierstore
@@ -124,6 +128,8 @@ class Stats:
     pack_waits: int = 0
     buffer_bytes_in_use: int = 0
     buffer_misses: int = 0
+    recomputed: int = 0
+    recomputed_bytes: int = 0
 
     @property
     def prefetch_hit_rate(self) -> float | None:
@@ -141,6 +147,11 @@ class Stats:
         rows.append(
             f"packed {self.packed}, deduplicated {self.deduplicated}, "
             f"kept {self.kept} ({human_bytes(self.kept_bytes)})"
+            + (
+                f", recomputed {self.recomputed} ({human_bytes(self.recomputed_bytes)})"
+                if self.recomputed
+                else ""
+            )
         )
         rate = self.prefetch_hit_rate
         rows.append(
@@ -164,7 +175,13 @@ class Stats:
 #: Where a saved tensor went: ``"offloaded"`` (below the device, at once or
 #: by demotion), or why it stayed on the device.
 Placement = Literal[
-    "offloaded", "device_budget", "min_offload_bytes", "parameter", "keep", "layout"
+    "offloaded",
+    "recomputed",
+    "device_budget",
+    "min_offload_bytes",
+    "parameter",
+    "keep",
+    "layout",
 ]
 
 # NOTE [ Is it working? ]
@@ -232,7 +249,7 @@ class PackTally:
     @property
     def moved(self) -> bool:
         """Whether any save left the device."""
-        return "offloaded" in self.counts
+        return "offloaded" in self.counts or "recomputed" in self.counts
 
     def copy(self) -> PackTally:
         """An independent snapshot."""

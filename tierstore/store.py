@@ -165,6 +165,8 @@ class TierManager:
         self._deduplicated = 0
         self._kept = 0
         self._kept_bytes = 0
+        self._recomputed = 0
+        self._recomputed_bytes = 0
         # Saves by where they went (NOTE [ Is it working? ] in tierstore/stats.py).
         self.tally = PackTally()
         self._closed = False
@@ -289,6 +291,14 @@ class TierManager:
             self._kept_bytes += nbytes
             self.tally.add(why, nbytes)
 
+    def count_recomputed(self, nbytes: int) -> None:
+        """Count a saved tensor the caller will rebuild in backward instead of storing."""
+        with self._locked():
+            self._packed += 1
+            self._recomputed += 1
+            self._recomputed_bytes += nbytes
+            self.tally.add("recomputed", nbytes)
+
     def pack_tally(self) -> PackTally:
         """A snapshot of the saves by where they went (NOTE [ Is it working? ])."""
         with self._lock:
@@ -300,8 +310,8 @@ class TierManager:
 
     @property
     def moved(self) -> bool:
-        """Whether anything ever left the device: the host or disk tier held bytes."""
-        return self._tiers["host"].peak > 0 or self._tiers["disk"].peak > 0
+        """Whether anything left the device (host or disk tier held bytes) or is rebuilt."""
+        return self._tiers["host"].peak > 0 or self._tiers["disk"].peak > 0 or self._recomputed > 0
 
     def stats(self) -> Stats:
         """A snapshot of the counters; see :class:`~tierstore.stats.Stats`.
@@ -333,6 +343,8 @@ class TierManager:
                 deduplicated=self._deduplicated,
                 kept=self._kept,
                 kept_bytes=self._kept_bytes,
+                recomputed=self._recomputed,
+                recomputed_bytes=self._recomputed_bytes,
                 prefetch_hits=reads.hits,
                 prefetch_misses=reads.misses,
                 bytes_prefetched=reads.prefetched_bytes,

@@ -1,0 +1,572 @@
+"""Recompute: saved tensors that a cheap op can rebuild in backward are never stored.
+
+This module is part of the autograd boundary (with ``hooks.py``): it knows
+ops, not bytes. While an ``offload()`` block runs with ``recompute="cheap"``
+(or a policy function), a :class:`Recorder` notes which op made each tensor.
+When autograd then saves a tensor that a cheap op made from inputs that are
+stored anyway, the pack hook returns a :class:`Recipe` instead of storing
+it. In backward the recipe fetches its inputs and runs the op again.
+
+Example:
+    >>> import torch, tierstore
+    >>> store = tierstore.TierStore(tierstore.TierConfig(
+    ...     device_budget=0, disk_budget=0, min_offload_bytes=0, recompute="cheap"))
+    >>> x = torch.randn(64, 64, requires_grad=True)
+    >>> with store.offload():
+    ...     y = torch.nn.functional.gelu(x)   # gelu saves x: stored
+    ...     z = y @ y                         # y: rebuilt from x in backward
+    >>> z.sum().backward()
+    >>> store.stats().recomputed
+    2
+    >>> store.close()
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+
+from tierstore.errors import ConfigError, TierstoreError
+
+__all__ = ["CHEAP_OPS", "Policy", "Recipe", "Recorder", "cheap"]
+
+# NOTE [ Recompute ]
+# A large share of what a decoder saves for backward is the output of a cheap
+# elementwise op whose inputs are saved anyway: SwiGLU's silu(gate) and its
+# product, RMSNorm's scaled output, LayerNorm's output, GELU's output. Storing
+# them means moving them out and back; rebuilding them costs one cheap op.
+#
+# How. While an offload() block runs with recompute on, a TorchDispatchMode
+# (Recorder) sees every op below autograd. For an op the policy marks for
+# recompute, it resolves each tensor input *at once*, while the input is
+# alive, to something backward can get it from:
+#   * the packed object autograd already holds for it (a Handle, a kept
+#     tensor, or another Recipe). Autograd packs an op's inputs before it
+#     runs the op, so an input that this op saves is found here;
+#   * a parameter or buffer, or a tensor under min_offload_bytes that is not
+#     the output of a differentiable op: held as it is (the module holds the
+#     former anyway; the latter are small);
+#   * another op's output that was recorded the same way, up to MAX_DEPTH
+#     ops deep (RMSNorm's rsqrt(mean(x.pow(2)))).
+# An input that resolves to none of these makes the output not rebuildable:
+# rebuilding it would need bytes that would otherwise not be stored.
+# When autograd saves that output, the pack hook asks for a Recipe: the op,
+# its non-tensor arguments, and strong references to its inputs' packed
+# objects (so their entries live as long as the recipe). The tier manager
+# never sees a recipe: prefetching one is prefetching its inputs' handles,
+# which backward fetches when it rebuilds.
+#
+# Exact. The same op on the same bytes in the same layout on the same device
+# gives the same bits; a rebuilt tensor is checked against the shape, dtype
+# and strides it had, and its rebuild runs with grad mode and autocast off.
+# Never recorded: ops that mutate (in-place, out=), ops with random results
+# (dropout, the Tag.nondeterministic_seeded ops), anything whose arguments
+# are not plain tensors (FakeTensor, FunctionalTensor: torch.compile and
+# make_fx tracing), and anything while Dynamo traces or grad mode is off.
+#
+# Memory. A Node rebuilt for one consumer is cached while other consumers it
+# is known to have (autograd's unpacks of its recipes, parent nodes that
+# reference it) have not fetched it yet, then dropped; the next backward of a
+# retained graph rebuilds it again. Inputs are checked for in-place changes
+# since the op ran (their version counters): a rebuild from changed inputs
+# would be a wrong gradient, so it raises instead.
+
+#: The most ops a chain of never-saved intermediates may span.
+MAX_DEPTH = 8
+
+#: Ops ``recompute="cheap"`` rebuilds: deterministic elementwise and
+#: normalisation ops, and views. Never random, in-place, matmul, convolution or
+#: attention ops. Names are ``torch.ops.aten`` overload packets.
+CHEAP_OPS: frozenset[str] = frozenset(
+    {
+        # elementwise arithmetic and activations
+        "abs", "add", "sub", "rsub", "mul", "div", "neg", "pow", "square",
+        "exp", "log", "sqrt", "rsqrt", "reciprocal", "sin", "cos",
+        "relu", "gelu", "silu", "sigmoid", "tanh", "erf", "softplus", "mish",
+        "hardtanh", "leaky_relu", "elu", "clamp", "clamp_min", "clamp_max",
+        "minimum", "maximum", "where", "masked_fill",
+        # copies: casts on the same device, contiguous copies, concatenation
+        "_to_copy", "clone", "cat",
+        # normalisation
+        "native_layer_norm", "_fused_rms_norm", "mean",
+        # views
+        "view", "_unsafe_view", "reshape", "_reshape_alias", "alias", "detach",
+        "t", "transpose", "permute", "expand", "unsqueeze", "squeeze",
+        "slice", "select", "split", "split_with_sizes", "unbind", "chunk",
+    }
+)  # fmt: skip
+
+#: A policy function in the form selective activation checkpointing uses.
+Policy = Callable[..., CheckpointPolicy]
+
+_RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def cheap(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The ``recompute="cheap"`` rule: recompute the ops in :data:`CHEAP_OPS`, save the rest.
+
+    A policy in the form of :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`;
+    wrap it to make your own (random and mutating ops are never recomputed,
+    whatever a policy says).
+
+    Example:
+        >>> import torch
+        >>> from tierstore.recompute import cheap
+        >>> cheap(None, torch.ops.aten.gelu.default).name
+        'PREFER_RECOMPUTE'
+        >>> cheap(None, torch.ops.aten.mm.default).name
+        'PREFER_SAVE'
+    """
+    name = op._overloadpacket.__name__
+    if name == "_to_copy" and "device" in kwargs:
+        return CheckpointPolicy.PREFER_SAVE  # a copy to another device is not cheap
+    if name in CHEAP_OPS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.PREFER_SAVE
+
+
+def _never(op: Any) -> bool:
+    """Ops no policy may recompute: mutating or random ones."""
+    schema = op._schema
+    return schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags
+
+
+# What a tensor argument of a recorded op resolves to (NOTE [ Recompute ]),
+# with the number of ops a rebuild of it runs:
+# ("packed", weakref to the packed object, fetch, depth), ("tensor", tensor,
+# version, 0), ("origin", _Origin, output index, depth).
+_Ref = tuple[str, Any, Any, int]
+
+
+class _Origin:
+    """One recorded op: what made a tensor, with its tensor arguments resolved."""
+
+    __slots__ = ("__weakref__", "depth", "func", "leaves", "node", "spec")
+
+    def __init__(self, func: Any, spec: Any, leaves: list[Any], depth: int) -> None:
+        self.func = func
+        self.spec = spec
+        self.leaves = leaves  # constants, or _Ref for tensors
+        self.depth = depth
+        self.node: weakref.ref[_Node] | None = None
+
+    def node_for(self) -> _Node | None:
+        """The shared rebuild node of this op, or ``None`` if an input is gone."""
+        node = self.node() if self.node is not None else None
+        if node is not None:
+            return node
+        leaves: list[Any] = []
+        for leaf in self.leaves:
+            if type(leaf) is not tuple:
+                leaves.append(leaf)
+                continue
+            kind, ref, extra, _ = leaf
+            if kind == "tensor":
+                leaves.append(_Input(ref, extra))
+                continue
+            if kind == "packed":
+                packed = ref()
+                if packed is None:
+                    return None
+                if type(packed) is Recipe:  # its node serves both
+                    shared: _Shared = packed._node
+                    index = packed._index
+                elif extra is None:  # kept as it is: nothing to fetch
+                    leaves.append(_Input(packed, packed.version))
+                    continue
+                else:
+                    stored = _Stored.of(packed, extra)
+                    stored.uses += 1
+                    leaves.append(_Input(stored, None, packed))
+                    continue
+            else:
+                child = ref.node_for()
+                if child is None:
+                    return None
+                shared, index = child, extra
+            shared.uses += 1
+            leaves.append(_Input(shared, index))
+        node = _Node(self.func, self.spec, leaves)
+        self.node = weakref.ref(node)
+        return node
+
+
+class _Input:
+    """A resolved tensor argument of a node: a shared value, or a tensor held as it is."""
+
+    __slots__ = ("hold", "index", "source")
+
+    def __init__(self, source: Any, index: Any, hold: Any = None) -> None:
+        self.source = source
+        self.index = index  # for a shared value: the output index; for a tensor: its version
+        self.hold = hold  # a stored input's packed object: its entry lives as long as this
+
+
+class _Shared:
+    """A value backward fetches or rebuilds once and hands to each known consumer.
+
+    ``uses`` counts the consumers known at forward (autograd's unpacks, nodes
+    that take it as an input); the value is cached until that many have
+    fetched it, then dropped (NOTE [ Recompute ]: Memory).
+    """
+
+    __slots__ = ("__weakref__", "_cache", "_pending", "uses")
+
+    def __init__(self, uses: int) -> None:
+        self.uses = uses
+        self._pending = 0
+        self._cache: Any = None
+
+    def _make(self) -> Any:
+        raise NotImplementedError
+
+    def value(self) -> Any:
+        """The value, made now or taken from the cache."""
+        out = self._cache
+        if out is None:
+            out = self._make()
+            self._pending = self.uses
+        self._pending -= 1
+        self._cache = out if self._pending > 0 else None
+        return out
+
+
+class _Node(_Shared):
+    """An op to run again in backward."""
+
+    __slots__ = ("func", "leaves", "spec")
+
+    def __init__(self, func: Any, spec: Any, leaves: list[Any]) -> None:
+        super().__init__(0)
+        self.func = func
+        self.spec = spec
+        self.leaves = leaves
+
+    def _make(self) -> Any:
+        args, kwargs = tree_unflatten([_value(leaf) for leaf in self.leaves], self.spec)
+        return self.func(*args, **kwargs)
+
+
+# A stored packed object (a Handle) that recipes read -> its _Stored:
+# autograd's own unpack of it then shares the read (shared_fetch). The value
+# is strong and refers to the handle weakly, so the entry (and a read it
+# caches) lives exactly as long as the handle: as long as autograd or a node
+# holds it, and no longer.
+_stored: weakref.WeakKeyDictionary[Any, _Stored] = weakref.WeakKeyDictionary()
+_stored_lock = threading.Lock()
+
+
+class _Stored(_Shared):
+    """A stored saved tensor that recipes take as an input: read once for all its users."""
+
+    __slots__ = ("fetch", "packed")
+
+    def __init__(self, packed: Any, fetch: Callable[[Any], torch.Tensor]) -> None:
+        super().__init__(1)  # autograd's own unpack of it
+        self.packed = weakref.ref(packed)
+        self.fetch = fetch
+
+    @staticmethod
+    def of(packed: Any, fetch: Callable[[Any], torch.Tensor]) -> _Stored:
+        with _stored_lock:
+            stored = _stored.get(packed)
+            if stored is None:
+                stored = _stored[packed] = _Stored(packed, fetch)
+            return stored
+
+    def _make(self) -> Any:
+        packed = self.packed()
+        assert packed is not None  # whoever asks holds it
+        return self.fetch(packed)
+
+
+def shared_fetch(packed: Any) -> torch.Tensor | None:
+    """The tensor for a stored save that recipes also read, read once for all; else ``None``.
+
+    Example:
+        >>> from tierstore.recompute import shared_fetch
+        >>> shared_fetch(object()) is None
+        True
+    """
+    if not _stored:
+        return None
+    with _stored_lock:
+        stored = _stored.get(packed)
+    return stored.value() if stored is not None else None
+
+
+def _value(leaf: Any) -> Any:
+    if type(leaf) is not _Input:
+        return leaf
+    source = leaf.source
+    if isinstance(source, _Shared):
+        out = source.value()
+        return out if leaf.index is None else out[leaf.index]
+    tensor = source.tensor if not isinstance(source, torch.Tensor) else source
+    if tensor._version != leaf.index:
+        raise TierstoreError(
+            "tierstore: an input of a recomputed saved tensor (shape "
+            f"{list(tensor.shape)}, dtype {tensor.dtype}) was modified in place after "
+            f"forward used it: it is at version {tensor._version}, expected version "
+            f"{leaf.index}. Rebuilding from it would give a wrong gradient; modify it "
+            "after backward, or set recompute='off' (TIERSTORE_RECOMPUTE)"
+        )
+    return tensor
+
+
+class Recipe:
+    """What autograd holds in place of a saved tensor that backward rebuilds.
+
+    Attributes:
+        shape, dtype, stride, device: the saved tensor's, at pack time.
+        version: its version counter at pack time (the eager in-place check).
+        nbytes: the bytes it would have rested in had it been stored.
+        depth: how many ops its rebuild runs, at most ``MAX_DEPTH``.
+
+    Example:
+        >>> import torch, tierstore
+        >>> store = tierstore.TierStore(tierstore.TierConfig(
+        ...     device_budget=0, disk_budget=0, min_offload_bytes=0, recompute="cheap"))
+        >>> x = torch.randn(8, 8, requires_grad=True)
+        >>> with store.offload():
+        ...     y = x.sin().exp()               # sin saves x; exp saves its output
+        >>> store.stats().recomputed            # exp(sin(x)) is rebuilt from x
+        1
+        >>> y.sum().backward(); store.close()
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_base",
+        "_index",
+        "_node",
+        "_source",
+        "depth",
+        "device",
+        "dtype",
+        "nbytes",
+        "shape",
+        "stride",
+        "version",
+    )
+
+    def __init__(
+        self, node: _Node, index: int | None, t: torch.Tensor, nbytes: int, depth: int
+    ) -> None:
+        node.uses += 1
+        self.depth = depth
+        self._node = node
+        self._index = index
+        self.shape = tuple(t.shape)
+        self.stride = tuple(t.stride())
+        self.dtype = t.dtype
+        self.device = t.device
+        self.version = t._version
+        self.nbytes = nbytes
+        # Weak, as Handle: only to see an in-place change while someone else
+        # keeps the tensor (or, for a view, its base) alive.
+        self._source = weakref.ref(t)
+        base = t._base
+        self._base = weakref.ref(base) if base is not None else None
+
+    def rebuild(self) -> torch.Tensor:
+        """Run the op again on its inputs and return the saved tensor, bitwise.
+
+        Raises:
+            TierstoreError: the saved tensor or an input was modified in place
+                after forward used it (the error eager autograd raises).
+        """
+        for alias in (self._source(), self._base() if self._base is not None else None):
+            if alias is not None and alias._version != self.version:
+                raise TierstoreError(
+                    "tierstore: one of the variables needed for gradient computation has "
+                    "been modified by an inplace operation: a saved tensor of shape "
+                    f"{list(self.shape)} and dtype {self.dtype} is at version "
+                    f"{alias._version}; expected version {self.version} instead. Hint: "
+                    "clone the tensor before modifying it in place, or modify it before "
+                    "it is saved"
+                )
+        with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
+            out = self._node.value()
+        t: torch.Tensor = out if self._index is None else out[self._index]
+        if tuple(t.shape) != self.shape or t.dtype != self.dtype:
+            raise TierstoreError(
+                f"tierstore: recomputing {self._node.func} gave shape {list(t.shape)} "
+                f"and dtype {t.dtype}, but forward saved {list(self.shape)} and "
+                f"{self.dtype}; please report this, and set recompute='off' "
+                "(TIERSTORE_RECOMPUTE) meanwhile"
+            )
+        if tuple(t.stride()) != self.stride:  # same bits, another layout: restore it
+            t = torch.empty_strided(
+                self.shape, self.stride, dtype=self.dtype, device=self.device
+            ).copy_(t)
+        return t
+
+    def __repr__(self) -> str:
+        return f"Recipe({self._node.func}, shape={self.shape}, dtype={self.dtype})"
+
+
+def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+class Recorder(TorchDispatchMode):
+    """Notes which op made each tensor, so the pack hook can hand out recipes.
+
+    One per thread, pushed by the outermost ``offload()`` block that asks for
+    recompute and popped when it ends (NOTE [ Recompute ]).
+
+    Args:
+        policy: decides per op, as selective checkpointing's policies do.
+        is_kept: whether a tensor stays on the device anyway (a parameter,
+            a buffer, or under ``min_offload_bytes``).
+
+    Example:
+        >>> import torch
+        >>> from tierstore.recompute import Recorder, cheap
+        >>> rec = Recorder(cheap, lambda t: False)
+        >>> with rec:
+        ...     y = torch.ones(4).exp()
+        >>> rec.recipe_for(y, 16) is None  # its input is stored nowhere
+        True
+    """
+
+    def __init__(self, policy: Policy, is_kept: Callable[[torch.Tensor], bool]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._policy = policy
+        self._is_kept = is_kept
+        self._ctx = SelectiveCheckpointContext(is_recompute=False)
+        # storage -> {view key: (version, ...)}; weak on the storage, so an
+        # entry dies with its memory and a reused address never matches.
+        self._packed: weakref.WeakKeyDictionary[Any, dict[Any, tuple[int, Any, Any, int]]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._origins: weakref.WeakKeyDictionary[Any, dict[Any, tuple[int, _Origin, Any]]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let torch.compile'd code run compiled under this mode (it records only eager ops)."""
+        return True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if (
+            torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and not _never(func)
+            and self._policy(self._ctx, func, *args, **kwargs) in _RECOMPUTE
+        ):
+            self._record(func, args, kwargs, out)
+        return out
+
+    def _record(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        flat, spec = tree_flatten((args, kwargs))
+        leaves: list[Any] = []
+        depth = 1
+        for leaf in flat:
+            if isinstance(leaf, torch.Tensor):
+                ref = self._resolve(leaf)
+                if ref is None:
+                    return
+                depth = max(depth, ref[3] + 1)
+                if depth > MAX_DEPTH:  # a longer chain is stored, which cuts it
+                    return
+                leaves.append(ref)
+            else:
+                leaves.append(leaf)
+        origin = _Origin(func, spec, leaves, depth)
+        if isinstance(out, torch.Tensor):
+            self._note_origin(out, origin, None)
+        elif isinstance(out, (tuple, list)):
+            for i, o in enumerate(out):
+                if isinstance(o, torch.Tensor):
+                    self._note_origin(o, origin, i)
+
+    def _note_origin(self, t: torch.Tensor, origin: _Origin, index: int | None) -> None:
+        if type(t) is not torch.Tensor or t.layout is not torch.strided:
+            return
+        self._origins.setdefault(t.untyped_storage(), {})[_view_key(t)] = (
+            t._version,
+            origin,
+            index,
+        )
+
+    def _resolve(self, t: torch.Tensor) -> _Ref | None:
+        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            return None  # a tracing subclass, DTensor, ...
+        if t.layout is not torch.strided or t.device.type == "meta":
+            return None
+        storage = t.untyped_storage()
+        key = _view_key(t)
+        found = self._packed.get(storage, {}).get(key)
+        if found is not None and found[0] == t._version:
+            return ("packed", found[1], found[2], found[3])
+        if t.grad_fn is None and self._is_kept(t):
+            # The tensor itself: below autograd, detach() would not share its
+            # version counter. Only without a grad_fn, so a recipe never holds
+            # a graph (which holds the recipe).
+            return ("tensor", t, t._version, 0)
+        made = self._origins.get(storage, {}).get(key)
+        if made is not None and made[0] == t._version:
+            return ("origin", made[1], made[2], made[1].depth)
+        return None
+
+    def note_packed(
+        self, t: torch.Tensor, packed: Any, fetch: Callable[[Any], torch.Tensor] | None
+    ) -> None:
+        """Remember what autograd holds for ``t``: later ops may rebuild from it.
+
+        ``fetch`` reads a stored ``packed`` back; ``None`` for a tensor kept as
+        it is (which has ``.tensor`` and ``.version``) or a :class:`Recipe`.
+        """
+        depth = packed.depth if type(packed) is Recipe else 0
+        self._packed.setdefault(t.untyped_storage(), {})[_view_key(t)] = (
+            t._version,
+            weakref.ref(packed),
+            fetch,
+            depth,
+        )
+
+    def recipe_for(self, t: torch.Tensor, nbytes: int) -> Recipe | None:
+        """A recipe that rebuilds ``t``, or ``None`` when it must be stored."""
+        made = self._origins.get(t.untyped_storage(), {}).get(_view_key(t))
+        if made is None or made[0] != t._version:
+            return None
+        node = made[1].node_for()
+        if node is None:
+            return None
+        return Recipe(node, made[2], t, nbytes, made[1].depth)
+
+
+RecomputeSetting = Literal["off", "cheap"] | Policy
+
+
+def policy_of(setting: object) -> Policy | None:
+    """The policy a ``recompute`` setting names, ``None`` for ``"off"``.
+
+    Example:
+        >>> from tierstore.recompute import policy_of, cheap
+        >>> policy_of("cheap") is cheap, policy_of("off")
+        (True, None)
+    """
+    if setting == "off" or setting is None:
+        return None
+    if setting == "cheap":
+        return cheap
+    if callable(setting):
+        return setting
+    raise ConfigError(
+        f"tierstore: recompute={setting!r} is not 'off', 'cheap' or a policy function "
+        "(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy; set "
+        "recompute (TIERSTORE_RECOMPUTE) to one of them"
+    )
