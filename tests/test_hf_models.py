@@ -192,11 +192,11 @@ CHECKPOINTED = ["llama", "gpt2", "bert", "t5", "vit"]
 
 
 @pytest.fixture
-def make_store(spill_root: Path) -> Iterator[Callable[[str, str], tierstore.TierStore]]:
+def make_store(spill_root: Path) -> Iterator[Callable[..., tierstore.TierStore]]:
     """Opens a store with every offloadable saved tensor on disk; closes it after the test."""
     stores: list[tierstore.TierStore] = []
 
-    def make(backend: str, compression: str) -> tierstore.TierStore:
+    def make(backend: str, compression: str, recompute: str = "off") -> tierstore.TierStore:
         config = tierstore.TierConfig(
             device_budget=0,
             host_budget=0,
@@ -205,6 +205,7 @@ def make_store(spill_root: Path) -> Iterator[Callable[[str, str], tierstore.Tier
             disk_backend=backend,
             compression=compression,
             min_offload_bytes=0,
+            recompute=recompute,
         )
         store = tierstore.TierStore(config)
         stores.append(store)
@@ -342,3 +343,57 @@ def test_gradient_checkpointing_on_disk_equals_eager_checkpointing(
     # Checkpointing took effect: the layers' insides never reached the store.
     saves = _saves_in_forward(case)
     assert 0 < stats.packed < saves // 2, (stats.packed, saves)
+
+
+# -- recompute="cheap" (NOTE [ Recompute ] in tierstore/recompute.py) -----------------
+
+
+@pytest.mark.parametrize(
+    ("name", "backend", "compression"),
+    [
+        *[pytest.param(name, "file", "none", id=f"{name}-file") for name in CASES],
+        pytest.param("llama", "file", "zstd", id="llama-file-zstd"),
+        pytest.param("llama", "lmdb", "none", id="llama-lmdb"),
+        pytest.param("llama", "lmdb", "zstd", id="llama-lmdb-zstd"),
+    ],
+)
+def test_recompute_on_disk_equals_eager(
+    name: str, backend: str, compression: str, make_store: Callable[..., tierstore.TierStore]
+) -> None:
+    case = CASES[name]
+    expected, _ = _step(case, None, checkpointing=False)
+    off = make_store(backend, compression)
+    _, off_stats = _step(case, off, checkpointing=False, flush=True)
+    store = make_store(backend, compression, recompute="cheap")
+    got, stats = _step(case, store, checkpointing=False, flush=True)
+    _assert_same_grads(expected, got)
+    _assert_on_disk_and_released(store, stats, flushed=True)
+    assert stats is not None and off_stats is not None
+    assert stats.recomputed > 0
+    assert stats.tiers["disk"].bytes_written < off_stats.tiers["disk"].bytes_written
+
+
+@pytest.mark.parametrize("name", CHECKPOINTED)
+def test_recompute_with_gradient_checkpointing_equals_eager_checkpointing(
+    name: str, make_store: Callable[..., tierstore.TierStore]
+) -> None:
+    case = CASES[name]
+    expected, _ = _step(case, None, checkpointing=True)
+    store = make_store("file", "none", recompute="cheap")
+    got, stats = _step(case, store, checkpointing=True)
+    _assert_same_grads(expected, got)
+    _assert_on_disk_and_released(store, stats, flushed=False)
+
+
+def test_recompute_writes_under_0_6x_for_llama(
+    make_store: Callable[..., tierstore.TierStore],
+) -> None:
+    # Issue 13: SwiGLU, RMSNorm and the views of their outputs are rebuilt, not written.
+    case = CASES["llama"]
+    written = {}
+    for setting in ("off", "cheap"):
+        store = make_store("file", "none", recompute=setting)
+        _, stats = _step(case, store, checkpointing=False, flush=True)
+        assert stats is not None
+        written[setting] = stats.tiers["disk"].bytes_written
+    assert written["cheap"] <= 0.6 * written["off"], written
