@@ -339,6 +339,54 @@ def test_cpu_targets_are_issue_11s() -> None:
     assert verdicts["prefetch hit rate after warm-up"] is None
 
 
+def test_recompute_rows_run_beside_their_store_in_fresh_processes(
+    bench_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "train.json"
+    argv = ["--quick", "--steps", "2", "--quiet", "--dir", str(bench_dir), "--no-live-pass"]
+    argv += ["--strategies", "none,tierstore-file", "--recompute", "off,cheap"]
+    assert _run([*argv, "--json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert "\ntierstore-file+recompute " in printed
+    doc = json.loads(out_json.read_text())
+    assert doc["settings"]["recompute"] == ["off", "cheap"]
+    rows = {r["name"]: r for r in doc["rows"]}
+    assert list(rows) == ["none", "tierstore-file", "tierstore-file+recompute"]
+    off, cheap = rows["tierstore-file"], rows["tierstore-file+recompute"]
+    assert (off["config"]["recompute"], cheap["config"]["recompute"]) == ("off", "cheap")
+    assert cheap["grads_bitwise_equal"] is True
+    # GELU's and LayerNorm's outputs are rebuilt: fewer bytes written and read.
+    assert 0 < cheap["moved_per_step"] < off["moved_per_step"]
+    checks = {t["check"] for t in doc["targets"] if t["strategy"] == "tierstore-file+recompute"}
+    assert checks == {
+        "bytes moved vs recompute off",
+        "step time vs recompute off",
+        "peak memory vs recompute off",
+        "max |grad diff| vs none",
+    }
+    assert list(bench_dir.iterdir()) == []
+
+
+def test_recompute_targets_are_issue_13s() -> None:
+    rows = [
+        _row("none", 1.0, 1000),
+        _row("tierstore-lmdb", 2.0, 400, moved_per_step=100.0),
+        _row("tierstore-lmdb+recompute", 2.2, 380, moved_per_step=70.0),
+    ]
+    train._add_ratios(rows)
+    got = {
+        t["check"]: (t["value"], t["target"], t["met"])
+        for t in train._targets(rows, False)
+        if t["strategy"] == "tierstore-lmdb+recompute"
+    }
+    assert got == {
+        "bytes moved vs recompute off": (pytest.approx(0.7), 0.8, True),
+        "step time vs recompute off": (pytest.approx(1.1), 1.05, False),
+        "peak memory vs recompute off": (pytest.approx(0.95), 1.0, True),
+        "max |grad diff| vs none": (0.0, 0.0, True),
+    }
+
+
 def test_cuda_report_names_reserved_and_allocated() -> None:
     rows = [
         _row("none", 1.0, 1000, peak_allocated_bytes=900),
@@ -415,6 +463,8 @@ def test_quick_picks_a_tiny_model_and_flags_win() -> None:
     ("argv", "message"),
     [
         (["--strategies", "none,offload"], "strategy 'offload' is unknown"),
+        (["--strategies", "checkpoint+recompute"], "strategy 'checkpoint\\+recompute' is"),
+        (["--recompute", "always"], "--recompute always is not a list of 'off' and 'cheap'"),
         (["--steps", "0"], "steps >= 1"),
         (["--d-model", "65"], "not a multiple of heads"),
         (["--device", "tpu"], "--device tpu is not cpu or cuda"),

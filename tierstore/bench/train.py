@@ -197,6 +197,10 @@ CUDA_STRATEGIES = (
     "checkpoint+tierstore",
 )
 
+#: A tierstore strategy with this suffix runs with ``recompute="cheap"`` (``--recompute``).
+RECOMPUTE_SUFFIX = "+recompute"
+_RECOMPUTABLE = ("tierstore-host", "tierstore-host-disk", "tierstore-file", "tierstore-lmdb")
+
 _MIB = 1 << 20
 #: Memory sampling period (NOTE [ What bench train measures ]).
 _SAMPLE_S = 0.001
@@ -239,6 +243,7 @@ class TrainSettings:
     lr: float = 1e-3
     min_offload_bytes: int = 0
     compression: str = "none"
+    recompute: tuple[str, ...] = ("off",)
     disk_budget_bytes: int | None = None
     device_budget_bytes: int = 0
     isolate: bool = True
@@ -542,6 +547,22 @@ def _tokens(settings: TrainSettings, step: int, device: torch.device) -> torch.T
     return torch.randint(0, settings.vocab, shape, generator=gen).to(device)
 
 
+def _base(name: str) -> str:
+    return name.removesuffix(RECOMPUTE_SUFFIX)
+
+
+def _with_recompute(names: list[str], recompute: tuple[str, ...]) -> list[str]:
+    """Each tierstore store strategy once per ``recompute`` setting, side by side."""
+    out = []
+    for name in names:
+        if name not in _RECOMPUTABLE:
+            out.append(name)
+            continue
+        out += [name] if "off" in recompute else []
+        out += [name + RECOMPUTE_SUFFIX] if "cheap" in recompute else []
+    return out
+
+
 def _make_strategy(
     name: str, *, settings: TrainSettings, model: GPT, root: Path, budget: int, device: torch.device
 ) -> _Strategy:
@@ -566,15 +587,17 @@ def _make_strategy(
         assert isinstance(store, _Tierstore)
         return _CheckpointTierstore(name, _Checkpoint("checkpoint", model), store)
     # Budgets per strategy: the disk one is 1.5x the saved bytes (see bench_train).
-    host = {"tierstore-host": budget, "tierstore-host-disk": budget // 3}.get(name, 0)
+    base = _base(name)
+    host = {"tierstore-host": budget, "tierstore-host-disk": budget // 3}.get(base, 0)
     config = TierConfig(
         device_budget=settings.device_budget_bytes if host else 0,
         host_budget=host,
-        disk_budget=0 if name == "tierstore-host" else budget,
+        disk_budget=0 if base == "tierstore-host" else budget,
         disk_path=root,
-        disk_backend="lmdb" if name == "tierstore-lmdb" else "file",
+        disk_backend="lmdb" if base == "tierstore-lmdb" else "file",
         min_offload_bytes=settings.min_offload_bytes,
-        compression=settings.compression if name != "tierstore-host" else "none",
+        compression=settings.compression if base != "tierstore-host" else "none",
+        recompute="cheap" if name.endswith(RECOMPUTE_SUFFIX) else "off",
     )
     return _Tierstore(name, config)
 
@@ -596,11 +619,20 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _check_settings(settings: TrainSettings) -> torch.device:
     for name in settings.strategies:
-        if name not in STRATEGIES:
+        if name.removesuffix(RECOMPUTE_SUFFIX) not in STRATEGIES or (
+            name.endswith(RECOMPUTE_SUFFIX) and _base(name) not in _RECOMPUTABLE
+        ):
             raise TierstoreError(
                 f"tierstore: bench train: strategy {name!r} is unknown; expected some of "
-                f"{', '.join(STRATEGIES)}"
+                f"{', '.join(STRATEGIES)}, or one of {', '.join(_RECOMPUTABLE)} followed "
+                f"by {RECOMPUTE_SUFFIX}"
             )
+    bad = [r for r in settings.recompute if r not in ("off", "cheap")]
+    if bad or not settings.recompute:
+        raise TierstoreError(
+            f"tierstore: bench train: --recompute {','.join(settings.recompute)} is not a list "
+            "of 'off' and 'cheap'"
+        )
     if settings.steps < 1 or settings.warmup < 0:
         raise TierstoreError(
             f"tierstore: bench train: steps={settings.steps}, warmup={settings.warmup}; "
@@ -1157,7 +1189,9 @@ def bench_train(settings: TrainSettings, *, show_progress: bool = True) -> Train
         why = _torchtune_offload()
         if isinstance(why, str):
             skipped["torchtune"] = why
-    names = [n for n in STRATEGIES if n in wanted and n not in skipped]
+    names = _with_recompute(
+        [n for n in STRATEGIES if n in wanted and n not in skipped], settings.recompute
+    ) + [n for n in wanted if n.endswith(RECOMPUTE_SUFFIX)]
     root = Path(settings.directory or tempfile.gettempdir()).absolute()
     if not root.is_dir():
         raise TierstoreError(f"tierstore: bench train: --dir {root} is not a directory")
@@ -1276,6 +1310,19 @@ def _cpu_checks(r: StrategyResult, by_name: dict[str, StrategyResult]) -> list[_
     ]
 
 
+def _recompute_checks(r: StrategyResult, off: StrategyResult | None) -> list[_Check]:
+    # Issue 13: recompute="cheap" against the same store without it, in the same run.
+    def vs_off(get: Callable[[StrategyResult], float | None]) -> float | None:
+        return _ratio(get(r), get(off)) if off is not None else None
+
+    return [
+        ("bytes moved vs recompute off", vs_off(lambda x: x.moved_per_step), "<=", 0.8),
+        ("step time vs recompute off", vs_off(lambda x: x.median_step_s), "<=", 1.05),
+        ("peak memory vs recompute off", vs_off(lambda x: x.peak_memory_bytes), "<=", 1.0),
+        ("max |grad diff| vs none", r.max_grad_diff, "<=", 0.0),
+    ]
+
+
 def _cuda_checks(r: StrategyResult, by_name: dict[str, StrategyResult]) -> list[_Check]:
     # Issue 11: the host tier against save_on_cpu, the offloader users would pick.
     rival = by_name.get("save_on_cpu")
@@ -1296,7 +1343,9 @@ def _targets(rows: list[StrategyResult], cuda: bool) -> list[dict[str, Any]]:
         if "tierstore" not in r.name:
             continue
         checks: list[_Check]
-        if not cuda and r.name.startswith("tierstore-"):
+        if r.name.endswith(RECOMPUTE_SUFFIX):
+            checks = _recompute_checks(r, by_name.get(_base(r.name)))
+        elif not cuda and r.name.startswith("tierstore-"):
             checks = _cpu_checks(r, by_name)
         elif cuda and r.name == "tierstore-host":
             checks = _cuda_checks(r, by_name)
@@ -1415,6 +1464,7 @@ def _describe(report: TrainReport) -> str:
         f"device_budget={human_bytes(s['device_budget_bytes'])}, the rest in host memory; "
         "tierstore-host-disk: host_budget = 1/3 of the disk budget; "
         f"min_offload_bytes={s['min_offload_bytes']}, compression={s['compression']}; "
+        f"{RECOMPUTE_SUFFIX}: the same store with recompute='cheap'; "
         "max |grad diff| vs none over all parameters after the last step"
         + "".join(f"\nskipped {name}: {why}" for name, why in s.get("skipped", {}).items())
     )
@@ -1507,6 +1557,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compression", choices=["none", "zstd"], default="none", help="tierstore disk entries"
     )
     parser.add_argument(
+        "--recompute",
+        default="off",
+        help="tierstore recompute settings, comma-separated: off, cheap, or off,cheap to run "
+        f"each tierstore strategy both ways side by side (cheap rows end in {RECOMPUTE_SUFFIX})",
+    )
+    parser.add_argument(
         "--device-budget",
         type=int,
         default=0,
@@ -1560,6 +1616,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         seed=args.seed,
         min_offload_bytes=args.min_offload_bytes,
         compression=args.compression,
+        recompute=tuple(r.strip() for r in args.recompute.split(",") if r.strip()),
         device_budget_bytes=args.device_budget,
         isolate=args.isolate,
         live_pass=args.live_pass,
