@@ -24,6 +24,7 @@ MODULES = [
     "tierstore.bench.copies",
     "tierstore.bench.gpt",
     "tierstore.bench.memory",
+    "tierstore.bench.recording",
     "tierstore.bench.report",
     "tierstore.bench.scratch",
     "tierstore.bench.soak",

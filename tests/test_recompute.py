@@ -544,6 +544,7 @@ def test_every_cheap_op_is_deterministic_here(op: str) -> None:
         "split_with_sizes": lambda: fn(x, [4, 12]),
         "unbind": lambda: fn(x),
         "chunk": lambda: fn(x, 2),
+        "cat": lambda: fn([x, y], 1),
         "pow": lambda: fn(x, 2),
         "clamp": lambda: fn(x, -1, 1),
         "clamp_min": lambda: fn(x, 0),

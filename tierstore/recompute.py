@@ -30,7 +30,6 @@ from typing import Any, Literal
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from tierstore.errors import ConfigError, TierstoreError
@@ -124,18 +123,63 @@ def cheap(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -
         >>> cheap(None, torch.ops.aten.mm.default).name
         'PREFER_SAVE'
     """
-    name = op._overloadpacket.__name__
-    if name == "_to_copy" and "device" in kwargs:
+    policy = _CHEAP.get(op)
+    if policy is None:
+        listed = op._overloadpacket.__name__ in CHEAP_OPS
+        policy = _CHEAP[op] = _RECOMPUTE[1] if listed else CheckpointPolicy.PREFER_SAVE
+    if "device" in kwargs and op._overloadpacket is torch.ops.aten._to_copy:
         return CheckpointPolicy.PREFER_SAVE  # a copy to another device is not cheap
-    if name in CHEAP_OPS:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.PREFER_SAVE
+    return policy
+
+
+_CHEAP: dict[Any, CheckpointPolicy] = {}
+
+
+_NEVER: dict[Any, bool] = {}
 
 
 def _never(op: Any) -> bool:
-    """Ops no policy may recompute: mutating or random ones."""
-    schema = op._schema
-    return schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags
+    """Ops no policy may recompute: mutating or random ones (looked up once per op)."""
+    never = _NEVER.get(op)
+    if never is None:
+        never = _NEVER[op] = op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags
+    return never
+
+
+# An op's arguments as a flat list of leaves and the shape to rebuild them
+# from: aten ops take tensors as arguments or in a list (cat, where's
+# lists of indices), never deeper, so one level of flattening is enough and
+# far cheaper than a general pytree (which was half the recorder's cost).
+_Spec = tuple[tuple[Any, ...], tuple[str, ...]]
+
+
+def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], _Spec]:
+    leaves: list[Any] = []
+    shape: list[Any] = []
+    for value in (*args, *kwargs.values()):
+        if type(value) in (list, tuple):
+            shape.append((type(value), len(value)))
+            leaves.extend(value)
+        else:
+            shape.append(None)
+            leaves.append(value)
+    return leaves, (tuple(shape), tuple(kwargs))
+
+
+def _unflatten(leaves: list[Any], spec: _Spec) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    shape, names = spec
+    values: list[Any] = []
+    i = 0
+    for kind in shape:
+        if kind is None:
+            values.append(leaves[i])
+            i += 1
+        else:
+            container, n = kind
+            values.append(container(leaves[i : i + n]))
+            i += n
+    split = len(values) - len(names)
+    return tuple(values[:split]), dict(zip(names, values[split:], strict=True))
 
 
 # What a tensor argument of a recorded op resolves to (NOTE [ Recompute ]),
@@ -250,7 +294,7 @@ class _Node(_Shared):
         self.leaves = leaves
 
     def _make(self) -> Any:
-        args, kwargs = tree_unflatten([_value(leaf) for leaf in self.leaves], self.spec)
+        args, kwargs = _unflatten([_value(leaf) for leaf in self.leaves], self.spec)
         return self.func(*args, **kwargs)
 
 
@@ -470,7 +514,7 @@ class Recorder(TorchDispatchMode):
         return out
 
     def _record(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        flat, spec = tree_flatten((args, kwargs))
+        flat, spec = _flatten(args, kwargs)
         leaves: list[Any] = []
         depth = 1
         for leaf in flat:

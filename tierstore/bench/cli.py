@@ -1,4 +1,4 @@
-"""``tierstore bench storage``, ``train`` and ``soak``: the benchmark commands.
+"""``tierstore bench storage``, ``train``, ``soak`` and ``recording``: the benchmark commands.
 
 :func:`add_bench_parser` adds them to the ``tierstore`` command's
 subparsers; each sets ``run`` to the function that runs it.
@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tierstore.bench import soak, storage, train
+from tierstore.bench import recording, soak, storage, train
 
 __all__ = ["add_bench_parser"]
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
-    """Add ``bench`` with its ``storage``, ``train`` and ``soak`` subcommands to ``subparsers``.
+    """Add ``bench`` with its ``storage``, ``train``, ``soak`` and ``recording`` subcommands.
 
     Each subcommand sets ``run=callable(args) -> int`` (exit status), as the
     other ``tierstore`` commands do.
@@ -44,7 +44,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
         help="benchmarks: disk throughput, training under each offload strategy, a soak",
         description="Benchmarks that print ratios measured side by side in one run.",
     )
-    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{storage,train,soak}")
+    sub = bench.add_subparsers(
+        dest="bench_command", required=True, metavar="{storage,train,soak,recording}"
+    )
     p = sub.add_parser(
         "storage",
         help="write/read GB/s and latency of the disk backends against raw I/O, "
@@ -68,3 +70,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
     )
     soak.add_arguments(p)
     p.set_defaults(run=soak.run)
+    p = sub.add_parser(
+        "recording",
+        help="what recompute's op recorder costs in forward: us per op, share of a step",
+        description=(recording.__doc__ or "").splitlines()[0],
+    )
+    recording.add_arguments(p)
+    p.set_defaults(run=recording.run)
