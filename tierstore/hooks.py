@@ -639,7 +639,7 @@ class TierStore:
     def _fetch(self, packed: Handle | _Kept | Recipe) -> torch.Tensor:
         """The tensor a packed object stands for (also a recipe's input)."""
         if type(packed) is Recipe:
-            return packed.rebuild()
+            return packed.rebuild(self._manager.empty)
         if type(packed) is _Kept:
             t = packed.tensor
             if t._version != packed.version:

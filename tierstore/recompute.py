@@ -192,13 +192,14 @@ _Ref = tuple[str, Any, Any, int]
 class _Origin:
     """One recorded op: what made a tensor, with its tensor arguments resolved."""
 
-    __slots__ = ("__weakref__", "depth", "func", "leaves", "node", "spec")
+    __slots__ = ("__weakref__", "depth", "func", "leaves", "node", "outs", "spec")
 
-    def __init__(self, func: Any, spec: Any, leaves: list[Any], depth: int) -> None:
+    def __init__(self, func: Any, spec: Any, leaves: list[Any], depth: int, outs: _Layouts) -> None:
         self.func = func
         self.spec = spec
         self.leaves = leaves  # constants, or _Ref for tensors
         self.depth = depth
+        self.outs = outs  # the layouts of several outputs, for out= (else empty)
         self.node: weakref.ref[_Node] | None = None
 
     def node_for(self) -> _Node | None:
@@ -214,30 +215,25 @@ class _Origin:
             kind, ref, extra, _ = leaf
             if kind == "tensor":
                 leaves.append(_Input(ref, extra))
-                continue
-            if kind == "packed":
+            elif kind == "origin":
+                child = ref.node_for()
+                if child is None:
+                    return None
+                leaves.append(_Input(child, extra))
+            else:
                 packed = ref()
                 if packed is None:
                     return None
                 if type(packed) is Recipe:  # its node serves both
-                    shared: _Shared = packed._node
-                    index = packed._index
+                    leaves.append(_Input(packed._node, packed._index))
                 elif extra is None:  # kept as it is: nothing to fetch
                     leaves.append(_Input(packed, packed.version))
-                    continue
                 else:
-                    stored = _Stored.of(packed, extra)
-                    stored.uses += 1
-                    leaves.append(_Input(stored, None, packed))
-                    continue
-            else:
-                child = ref.node_for()
-                if child is None:
-                    return None
-                shared, index = child, extra
-            shared.uses += 1
-            leaves.append(_Input(shared, index))
-        node = _Node(self.func, self.spec, leaves)
+                    leaves.append(_Input(_Stored.of(packed, extra), None, packed))
+        for leaf in leaves:  # every input resolved: count this node as their user
+            if type(leaf) is _Input and isinstance(leaf.source, _Shared):
+                leaf.source.uses += 1
+        node = _Node(self.func, self.spec, leaves, self.outs)
         self.node = weakref.ref(node)
         return node
 
@@ -268,14 +264,14 @@ class _Shared:
         self._pending = 0
         self._cache: Any = None
 
-    def _make(self) -> Any:
+    def _make(self, alloc: _Alloc | None) -> Any:
         raise NotImplementedError
 
-    def value(self) -> Any:
-        """The value, made now or taken from the cache."""
+    def value(self, alloc: _Alloc | None = None) -> Any:
+        """The value, made now (into ``alloc``'s memory if it can) or taken from the cache."""
         out = self._cache
         if out is None:
-            out = self._make()
+            out = self._make(alloc)
             self._pending = self.uses
         self._pending -= 1
         self._cache = out if self._pending > 0 else None
@@ -285,17 +281,80 @@ class _Shared:
 class _Node(_Shared):
     """An op to run again in backward."""
 
-    __slots__ = ("func", "leaves", "spec")
+    __slots__ = ("func", "leaves", "outs", "spec")
 
-    def __init__(self, func: Any, spec: Any, leaves: list[Any]) -> None:
+    def __init__(self, func: Any, spec: Any, leaves: list[Any], outs: _Layouts) -> None:
         super().__init__(0)
         self.func = func
         self.spec = spec
         self.leaves = leaves
+        self.outs = outs
 
-    def _make(self) -> Any:
+    def _make(self, alloc: _Alloc | None) -> Any:
         args, kwargs = _unflatten([_value(leaf) for leaf in self.leaves], self.spec)
+        found = _out_overload(self.func) if alloc is not None else None
+        if found is not None and len(found[1]) in (1, len(self.outs)):
+            assert alloc is not None
+            out_op, names = found
+            buf = alloc[0]()
+            if buf is not None:  # NOTE [ Rebuilt tensors in the store's memory ]
+                if len(names) == 1:
+                    return out_op(*args, **kwargs, out=buf)
+                outs = {
+                    name: buf
+                    if i == alloc[1]
+                    else torch.empty_strided(shape, stride, dtype=dtype, device=buf.device)
+                    for i, (name, (shape, stride, dtype)) in enumerate(
+                        zip(names, self.outs, strict=True)
+                    )
+                }
+                return out_op(*args, **kwargs, **outs)
         return self.func(*args, **kwargs)
+
+
+# NOTE [ Rebuilt tensors in the store's memory ]
+# A tensor backward receives from the disk lands in tierstore's own pool
+# (NOTE [ Leased buffers ]), which gives its pages back between steps; a
+# rebuilt one made by the functional op would come from the process heap,
+# which glibc keeps, so that `top` showed recompute's rebuilt tensors as
+# more resident memory than the reads they replace (peak RSS 1.05-1.11x of
+# recompute off on bench train's GPT, while live memory was lower). So the
+# tensor a recipe hands to autograd is written by the op's out= overload into
+# a buffer from the store (same kernel, same layout: the same bits; tested
+# for every op of CHEAP_OPS that has one; an op with several outputs, such as
+# native_layer_norm, gets the others in fresh tensors of the layouts forward
+# gave them). Views, ops without a matching out= overload, intermediates and
+# CUDA tensors keep the functional op.
+_OUT: dict[Any, tuple[Any, tuple[str, ...]] | None] = {}
+
+
+def _out_overload(func: Any) -> tuple[Any, tuple[str, ...]] | None:
+    """``func``'s out= overload, taking its arguments plus one out= per output, and their names."""
+    if func in _OUT:
+        return _OUT[func]
+    found = None
+    schema = func._schema
+    if all(r.alias_info is None for r in schema.returns):
+        names = [a.name for a in schema.arguments]
+        packet = func._overloadpacket
+        for name in (f"{func._overloadname}_out", "out"):
+            if name not in packet.overloads():
+                continue
+            candidate = getattr(packet, name)
+            args = [a.name for a in candidate._schema.arguments]
+            outs = tuple(args[len(names) :])
+            if args[: len(names)] == names and len(outs) == len(schema.returns):
+                found = (candidate, outs)
+                break
+    _OUT[func] = found
+    return found
+
+
+#: Memory for a rebuilt tensor (a tensor of the saved layout, or None), and which
+#: output of the op it is for (None: the only one).
+_Alloc = tuple[Callable[[], "torch.Tensor | None"], "int | None"]
+#: (shape, stride, dtype) of each output of an op with several, else ().
+_Layouts = tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]
 
 
 # A stored packed object (a Handle) that recipes read -> its _Stored:
@@ -325,7 +384,7 @@ class _Stored(_Shared):
                 stored = _stored[packed] = _Stored(packed, fetch)
             return stored
 
-    def _make(self) -> Any:
+    def _make(self, alloc: _Alloc | None) -> Any:
         packed = self.packed()
         assert packed is not None  # whoever asks holds it
         return self.fetch(packed)
@@ -420,8 +479,13 @@ class Recipe:
         base = t._base
         self._base = weakref.ref(base) if base is not None else None
 
-    def rebuild(self) -> torch.Tensor:
+    def rebuild(
+        self, empty: Callable[[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device], Any]
+    ) -> torch.Tensor:
         """Run the op again on its inputs and return the saved tensor, bitwise.
+
+        ``empty(shape, stride, dtype, device)`` gives memory for the result (the
+        store's pool on a CPU) or ``None`` (NOTE [ Rebuilt tensors in the store's memory ]).
 
         Raises:
             TierstoreError: the saved tensor or an input was modified in place
@@ -437,8 +501,13 @@ class Recipe:
                     "clone the tensor before modifying it in place, or modify it before "
                     "it is saved"
                 )
+
+        def alloc() -> torch.Tensor | None:
+            buf: torch.Tensor | None = empty(self.shape, self.stride, self.dtype, self.device)
+            return buf
+
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
-            out = self._node.value()
+            out = self._node.value((alloc, self._index))
         t: torch.Tensor = out if self._index is None else out[self._index]
         if tuple(t.shape) != self.shape or t.dtype != self.dtype:
             raise TierstoreError(
@@ -528,7 +597,10 @@ class Recorder(TorchDispatchMode):
                 leaves.append(ref)
             else:
                 leaves.append(leaf)
-        origin = _Origin(func, spec, leaves, depth)
+        outs: _Layouts = ()
+        if isinstance(out, (tuple, list)) and all(type(o) is torch.Tensor for o in out):
+            outs = tuple((tuple(o.shape), tuple(o.stride()), o.dtype) for o in out)
+        origin = _Origin(func, spec, leaves, depth, outs)
         if isinstance(out, torch.Tensor):
             self._note_origin(out, origin, None)
         elif isinstance(out, (tuple, list)):

@@ -291,6 +291,31 @@ class TierManager:
             self._kept_bytes += nbytes
             self.tally.add(why, nbytes)
 
+    def empty(
+        self,
+        shape: tuple[int, ...],
+        stride: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor | None:
+        """An uninitialised tensor of this layout in the store's own memory, or ``None``.
+
+        On a CPU, a leased pool buffer that returns when the tensor's storage is
+        freed (as disk reads do); ``None`` for another device or a full pool.
+        """
+        if device.type != "cpu":
+            return None
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        span = (
+            0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
+        )
+        with self._locked():
+            self.check_open()
+            buf = self._transfers.buffer(max(span, 1) * itemsize)
+        if buf.data_ptr() % itemsize:
+            return None
+        return buf[: span * itemsize].view(dtype).as_strided(shape, stride)
+
     def count_recomputed(self, nbytes: int) -> None:
         """Count a saved tensor the caller will rebuild in backward instead of storing."""
         with self._locked():
