@@ -53,6 +53,29 @@ class TierstoreError(RuntimeError):
     """
 
 
+def modified_in_place(
+    shape: tuple[int, ...] | list[int], dtype: object, version: int, expected: int
+) -> TierstoreError:
+    """The error eager autograd raises for a saved tensor modified in place.
+
+    One text for every kind of save: kept, stored, or rebuilt (NOTE [ Version check ]).
+
+    Example:
+        >>> err = modified_in_place((2, 3), "torch.float32", 1, 0)
+        >>> print(err)  # doctest: +NORMALIZE_WHITESPACE
+        tierstore: one of the variables needed for gradient computation has been modified by an
+        inplace operation: a saved tensor of shape [2, 3] and dtype torch.float32 is at version 1;
+        expected version 0 instead. Hint: clone the tensor before modifying it in place, or modify
+        it before it is saved
+    """
+    return TierstoreError(
+        "tierstore: one of the variables needed for gradient computation has been modified by "
+        f"an inplace operation: a saved tensor of shape {list(shape)} and dtype {dtype} is at "
+        f"version {version}; expected version {expected} instead. Hint: clone the tensor "
+        "before modifying it in place, or modify it before it is saved"
+    )
+
+
 class ConfigError(TierstoreError, ValueError):
     """A setting has a bad value, an unknown name, or conflicts with another.
 

@@ -35,7 +35,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from tierstore.config import TierConfig, load_config
-from tierstore.errors import ConfigError, TierstoreError, TierstoreWarning
+from tierstore.errors import ConfigError, TierstoreWarning, modified_in_place
 from tierstore.handle import Handle
 from tierstore.recompute import Recipe, RecomputeSetting, Recorder, policy_of, shared_fetch
 from tierstore.stats import TIERS, PackTally, Placement, Stats, Tier, step_summary
@@ -643,13 +643,7 @@ class TierStore:
         if type(packed) is _Kept:
             t = packed.tensor
             if t._version != packed.version:
-                raise TierstoreError(
-                    "tierstore: one of the variables needed for gradient computation has "
-                    "been modified by an inplace operation: a saved tensor of shape "
-                    f"{list(t.shape)} and dtype {t.dtype} is at version {t._version}; "
-                    f"expected version {packed.version} instead. Hint: clone the tensor "
-                    "before modifying it in place, or modify it before it is saved"
-                )
+                raise modified_in_place(tuple(t.shape), t.dtype, t._version, packed.version)
             return t
         assert isinstance(packed, Handle)
         # Read once for this unpack and the recipes that take it as an input.

@@ -32,7 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
-from tierstore.errors import ConfigError, TierstoreError
+from tierstore.errors import ConfigError, TierstoreError, modified_in_place
 
 __all__ = ["CHEAP_OPS", "Policy", "Recipe", "Recorder", "cheap"]
 
@@ -493,14 +493,7 @@ class Recipe:
         """
         for alias in (self._source(), self._base() if self._base is not None else None):
             if alias is not None and alias._version != self.version:
-                raise TierstoreError(
-                    "tierstore: one of the variables needed for gradient computation has "
-                    "been modified by an inplace operation: a saved tensor of shape "
-                    f"{list(self.shape)} and dtype {self.dtype} is at version "
-                    f"{alias._version}; expected version {self.version} instead. Hint: "
-                    "clone the tensor before modifying it in place, or modify it before "
-                    "it is saved"
-                )
+                raise modified_in_place(self.shape, self.dtype, alias._version, self.version)
 
         def alloc() -> torch.Tensor | None:
             buf: torch.Tensor | None = empty(self.shape, self.stride, self.dtype, self.device)

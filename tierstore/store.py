@@ -40,7 +40,7 @@ import torch
 from tierstore import codec
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.entry import Entry, TierState
-from tierstore.errors import StoreClosedError, TierFullError, TierstoreError
+from tierstore.errors import StoreClosedError, TierFullError, TierstoreError, modified_in_place
 from tierstore.handle import Handle
 from tierstore.pipeline import Pipeline
 from tierstore.readahead import ReadAhead
@@ -274,14 +274,7 @@ class TierManager:
         versions = [entry.stale, *(a._version for a in aliases if a is not None)]
         for version in versions:
             if version is not None and version != handle.version:
-                raise TierstoreError(
-                    "tierstore: one of the variables needed for gradient computation has "
-                    "been modified by an inplace operation: a saved tensor of shape "
-                    f"{list(handle.shape)} and dtype {handle.dtype} is at version "
-                    f"{version}; expected version {handle.version} instead. "
-                    "Hint: clone the tensor before modifying it in place, or "
-                    "modify it before it is saved"
-                )
+                raise modified_in_place(handle.shape, handle.dtype, version, handle.version)
 
     def count_kept(self, nbytes: int, why: Placement = "keep") -> None:
         """Count a saved tensor the caller left on the device, and why."""
