@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -147,3 +149,19 @@ def assert_empty(store: tierstore.TierStore) -> None:
 @pytest.fixture
 def empty_check() -> Callable[[tierstore.TierStore], None]:
     return assert_empty
+
+
+def buffers_in_use(store: tierstore.TierStore, expected: int = 0) -> int:
+    """Bytes of buffers out of the pool, once they settle at ``expected`` (or after 2 s).
+
+    An I/O thread may drop its last reference to a write's staging a moment
+    after the write's future completes (the executor keeps a finished job
+    until its next one): what counts is that the buffer comes back.
+    """
+    deadline = time.monotonic() + 2
+    while True:
+        gc.collect()
+        in_use = store.stats().buffer_bytes_in_use
+        if in_use == expected or time.monotonic() > deadline:
+            return in_use
+        time.sleep(0.01)

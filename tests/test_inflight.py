@@ -23,6 +23,8 @@ from tierstore import codec, readahead, writebehind
 from tierstore.backends.file import FileBackend
 from tierstore.pipeline import Pipeline
 
+from .conftest import buffers_in_use
+
 MIB = 1 << 20
 
 
@@ -181,22 +183,6 @@ def test_written_bytes_never_go_down(spill_root: Path) -> None:
 # -- buffers (NOTE [ Leased buffers ]) -------------------------------------------------
 
 
-def _in_use(store: tierstore.TierStore, expected: int = 0) -> int:
-    """Bytes of buffers out of the pool, once they settle at ``expected`` (or after 2 s).
-
-    An I/O thread may drop its last reference to a write's staging a moment
-    after the write's future completes (the executor keeps a finished job
-    until its next one): what counts is that the buffer comes back.
-    """
-    deadline = time.monotonic() + 2
-    while True:
-        gc.collect()
-        in_use = store.stats().buffer_bytes_in_use
-        if in_use == expected or time.monotonic() > deadline:
-            return in_use
-        time.sleep(0.01)
-
-
 def test_a_read_back_tensor_lives_in_the_pool_until_autograd_drops_it(
     spill_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -206,17 +192,17 @@ def test_a_read_back_tensor_lives_in_the_pool_until_autograd_drops_it(
         with store.offload():
             y = x.exp()
         store.flush()
-        assert _in_use(store) == 0  # forward's bytes are on disk, the pool is idle
+        assert buffers_in_use(store) == 0  # forward's bytes are on disk, the pool is idle
         saved = y.grad_fn._saved_result  # unpacks: a read into the pool
         assert torch.equal(saved, x.detach().exp())
         # The record as read: its padded header's page, then the payload.
         record = codec.HEADROOM + 256 * 1024
-        assert _in_use(store, record) == record
+        assert buffers_in_use(store, record) == record
         del saved
-        assert _in_use(store) == 0  # back in the pool, not on the heap
+        assert buffers_in_use(store) == 0  # back in the pool, not on the heap
         y.sum().backward()
         assert torch.equal(x.grad, x.detach().exp())
-        assert _in_use(store) == 0
+        assert buffers_in_use(store) == 0
         assert store.stats().buffer_misses == 0
 
 
@@ -238,7 +224,7 @@ def test_buffers_come_back_when_backward_fails_midway(spill_root: Path) -> None:
         with pytest.raises(RuntimeError, match="boom"):
             loss.backward()
         del loss
-        assert _in_use(store) == 0
+        assert buffers_in_use(store) == 0
         assert store.stats().tiers["disk"].entries == 0
 
 
@@ -251,7 +237,7 @@ def test_buffers_come_back_when_a_graph_is_dropped_without_backward(spill_root: 
                 loss = (x * 2)[:, ::2].sin().sum()
             del loss
             store.flush()
-            assert _in_use(store) == 0
+            assert buffers_in_use(store) == 0
             stats = store.stats()
             assert stats.tiers["disk"].entries == 0 and stats.tiers["disk"].bytes == 0
 
@@ -299,7 +285,7 @@ def test_gradients_are_exact_with_pooled_buffers(
     with tierstore.TierStore(cfg) as store:
         for _ in range(2):
             compare_with_eager(build, store)
-        assert _in_use(store) == 0
+        assert buffers_in_use(store) == 0
 
 
 # -- write staging (NOTE [ Write staging ]) ---------------------------------------------
@@ -324,7 +310,7 @@ def test_a_queued_write_lets_go_of_the_callers_memory_at_once(
         assert store.stats().buffer_bytes_in_use == 256 * 1024 + codec.HEADROOM
         gate.set()
         store.flush()
-        assert _in_use(store) == 0  # written: the copy went back to the pool
+        assert buffers_in_use(store) == 0  # written: the copy went back to the pool
         y.sum().backward()
         assert torch.equal(x.grad, 2 * expected)
         assert store.stats().buffer_misses == 0
