@@ -73,9 +73,12 @@ __all__ = ["CHEAP_OPS", "Policy", "Recipe", "Recorder", "cheap"]
 # Memory. A Node rebuilt for one consumer is cached while other consumers it
 # is known to have (autograd's unpacks of its recipes, parent nodes that
 # reference it) have not fetched it yet, then dropped; the next backward of a
-# retained graph rebuilds it again. Inputs are checked for in-place changes
-# since the op ran (their version counters): a rebuild from changed inputs
-# would be a wrong gradient, so it raises instead.
+# retained graph rebuilds it again. A stored input is shared the same way
+# (_Stored): the rebuild and the input's own backward node take one read of
+# it, not two. Inputs held as they are (parameters, small tensors) are
+# checked for in-place changes since the op ran (their version counters): a
+# rebuild from changed inputs would be a wrong gradient, so it raises
+# instead; a stored input's own entry does the same check at its read.
 
 #: The most ops a chain of never-saved intermediates may span.
 MAX_DEPTH = 8
