@@ -438,10 +438,15 @@ class TierStore:
         block.outer_recompute = getattr(_local, "recompute", False)
         if policy is not None and _tracing():
             policy = None  # make_fx, FakeTensorMode: tracing keeps today's path
-        _local.recompute = policy is not None
         if policy is not None and getattr(_local, "recorder", None) is None:
-            block.pushed = _local.recorder = Recorder(policy, self._stays)
-            block.pushed.__enter__()  # type: ignore[no-untyped-call]
+            recorder = Recorder(policy, self._stays)
+            try:
+                recorder.__enter__()  # type: ignore[no-untyped-call]
+            except BaseException:
+                self._close_block(block, False, "")
+                raise
+            block.pushed = _local.recorder = recorder
+        _local.recompute = policy is not None
         return block
 
     def _stays(self, t: torch.Tensor) -> bool:
