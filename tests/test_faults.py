@@ -501,12 +501,18 @@ def test_keyboard_interrupt_while_forward_waits_for_the_disk(root: Path) -> None
     pipeline.wait = wait  # type: ignore[method-assign]
     model = _model()
     model(BATCH).square().sum()  # the first forward of a process imports lazily
+    # Python's own Ctrl-C handler, whatever an earlier test left: Lightning's
+    # _destroy_dist_connection, for one, sets SIGINT to SIG_IGN and then SIG_DFL.
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         with pytest.raises(KeyboardInterrupt), store.offload():
             model(BATCH).square().sum()
     finally:
         release.set()
         pipeline.wait = real_wait  # type: ignore[method-assign]
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, handler)
     assert interrupted
     assert store._manager._lock.acquire(timeout=1)  # not left held
     store._manager._lock.release()
