@@ -84,7 +84,7 @@ LAYERS = {
     "integrations": {"config", "errors", "hooks", "integrations", "stats"},
     "hooks": {"config", "errors", "handle", "recompute", "stats", "store"},
     # The autograd boundary's recorder (NOTE [ Recompute ]): ops, never bytes.
-    "recompute": {"errors"},
+    "recompute": {"errors", "handle"},
     "store": {
         "codec",
         "config",

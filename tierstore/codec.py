@@ -48,6 +48,7 @@ __all__ = [
     "byte_view",
     "checksum",
     "decode",
+    "empty_strided",
     "encode",
     "from_span",
     "parse_header",
@@ -69,6 +70,22 @@ def _empty(nbytes: int, dtype: torch.dtype, alloc: Alloc | None) -> torch.Tensor
     if alloc is None:
         return torch.empty(nbytes // dtype.itemsize, dtype=dtype)
     return alloc(nbytes).view(dtype)
+
+
+def empty_strided(
+    shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, alloc: Alloc
+) -> torch.Tensor:
+    """An uninitialised CPU tensor of this shape and strides, in memory from ``alloc``.
+
+    Example:
+        >>> import torch
+        >>> from tierstore.codec import empty_strided
+        >>> heap = lambda n: torch.empty(n, dtype=torch.uint8)
+        >>> empty_strided((2, 3), (1, 2), torch.float32, heap).stride()
+        (1, 2)
+    """
+    extent = _extent(shape, stride) if all(shape) else 0
+    return _empty(extent * dtype.itemsize, dtype, alloc).as_strided(shape, stride)
 
 
 # NOTE [ Spans ]

@@ -16,28 +16,26 @@ import weakref
 
 import torch
 
-__all__ = ["Handle"]
+__all__ = ["Handle", "Saved"]
 
 
-class Handle:
-    """A reference to one stored entry, with the tensor's metadata at pack time.
+class Saved:
+    """A saved tensor's metadata at pack time, and what the eager in-place check needs.
 
-    When autograd drops the handle (after backward, or when a graph is
-    discarded without one) its entry's reference count drops; the last
-    handle of an entry frees it. Unpacking does not free anything, so a
-    ``retain_graph=True`` backward can unpack again.
+    The base of what autograd holds in its place: a :class:`Handle` (stored)
+    or a recompute ``Recipe`` (rebuilt in backward).
 
     Attributes:
-        key: the entry this handle refers to.
         shape, dtype, stride, device: the saved tensor's, at pack time.
         version: the saved tensor's version counter at pack time.
 
     Example:
         >>> import torch
-        >>> from tierstore.handle import Handle
+        >>> from tierstore.handle import Saved
         >>> t = torch.zeros(2, 3)
-        >>> Handle(0, t).shape
-        (2, 3)
+        >>> saved = Saved(t.t())
+        >>> saved.stride, saved.sources()[1] is t
+        ((1, 3), True)
     """
 
     __slots__ = (
@@ -46,14 +44,12 @@ class Handle:
         "_source",
         "device",
         "dtype",
-        "key",
         "shape",
         "stride",
         "version",
     )
 
-    def __init__(self, key: int, t: torch.Tensor) -> None:
-        self.key = key
+    def __init__(self, t: torch.Tensor) -> None:
         self.shape = tuple(t.shape)
         self.stride = tuple(t.stride())
         self.dtype = t.dtype
@@ -74,6 +70,33 @@ class Handle:
     def sources(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The saved tensor and, for a view, its base: whichever are still alive."""
         return self._source(), self._base() if self._base is not None else None
+
+
+class Handle(Saved):
+    """A reference to one stored entry, with the tensor's metadata at pack time.
+
+    When autograd drops the handle (after backward, or when a graph is
+    discarded without one) its entry's reference count drops; the last
+    handle of an entry frees it. Unpacking does not free anything, so a
+    ``retain_graph=True`` backward can unpack again.
+
+    Attributes:
+        key: the entry this handle refers to.
+        shape, dtype, stride, device, version: as :class:`Saved`.
+
+    Example:
+        >>> import torch
+        >>> from tierstore.handle import Handle
+        >>> t = torch.zeros(2, 3)
+        >>> Handle(0, t).shape
+        (2, 3)
+    """
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: int, t: torch.Tensor) -> None:
+        super().__init__(t)
+        self.key = key
 
     def __repr__(self) -> str:
         return (

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from tierstore.errors import ConfigError, TierstoreError, modified_in_place
+from tierstore.handle import Saved
 
 __all__ = ["CHEAP_OPS", "Policy", "Recipe", "Recorder", "cheap"]
 
@@ -129,7 +130,9 @@ def cheap(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -
     policy = _CHEAP.get(op)
     if policy is None:
         listed = op._overloadpacket.__name__ in CHEAP_OPS
-        policy = _CHEAP[op] = _RECOMPUTE[1] if listed else CheckpointPolicy.PREFER_SAVE
+        policy = _CHEAP[op] = (
+            CheckpointPolicy.PREFER_RECOMPUTE if listed else CheckpointPolicy.PREFER_SAVE
+        )
     if "device" in kwargs and op._overloadpacket is torch.ops.aten._to_copy:
         return CheckpointPolicy.PREFER_SAVE  # a copy to another device is not cheap
     return policy
@@ -229,8 +232,8 @@ class _Origin:
                     return None
                 if type(packed) is Recipe:  # its node serves both
                     leaves.append(_Input(packed._node, packed._index))
-                elif extra is None:  # kept as it is: nothing to fetch
-                    leaves.append(_Input(packed, packed.version))
+                elif extra is None:  # kept as it is: its detached alias shares the version
+                    leaves.append(_Input(packed.tensor, packed.version))
                 else:
                     leaves.append(_Input(_Stored.of(packed, extra), None, packed))
         for leaf in leaves:  # every input resolved: count this node as their user
@@ -415,24 +418,22 @@ def _value(leaf: Any) -> Any:
     if isinstance(source, _Shared):
         out = source.value()
         return out if leaf.index is None else out[leaf.index]
-    tensor = source.tensor if not isinstance(source, torch.Tensor) else source
-    if tensor._version != leaf.index:
+    if source._version != leaf.index:
         raise TierstoreError(
             "tierstore: an input of a recomputed saved tensor (shape "
-            f"{list(tensor.shape)}, dtype {tensor.dtype}) was modified in place after "
-            f"forward used it: it is at version {tensor._version}, expected version "
+            f"{list(source.shape)}, dtype {source.dtype}) was modified in place after "
+            f"forward used it: it is at version {source._version}, expected version "
             f"{leaf.index}. Rebuilding from it would give a wrong gradient; modify it "
             "after backward, or set recompute='off' (TIERSTORE_RECOMPUTE)"
         )
-    return tensor
+    return source
 
 
-class Recipe:
+class Recipe(Saved):
     """What autograd holds in place of a saved tensor that backward rebuilds.
 
     Attributes:
-        shape, dtype, stride, device: the saved tensor's, at pack time.
-        version: its version counter at pack time (the eager in-place check).
+        shape, dtype, stride, device, version: as :class:`~tierstore.handle.Saved`.
         nbytes: the bytes it would have rested in had it been stored.
         depth: how many ops its rebuild runs, at most ``MAX_DEPTH``.
 
@@ -448,39 +449,17 @@ class Recipe:
         >>> y.sum().backward(); store.close()
     """
 
-    __slots__ = (
-        "__weakref__",
-        "_base",
-        "_index",
-        "_node",
-        "_source",
-        "depth",
-        "device",
-        "dtype",
-        "nbytes",
-        "shape",
-        "stride",
-        "version",
-    )
+    __slots__ = ("_index", "_node", "depth", "nbytes")
 
     def __init__(
         self, node: _Node, index: int | None, t: torch.Tensor, nbytes: int, depth: int
     ) -> None:
+        super().__init__(t)
         node.uses += 1
-        self.depth = depth
         self._node = node
         self._index = index
-        self.shape = tuple(t.shape)
-        self.stride = tuple(t.stride())
-        self.dtype = t.dtype
-        self.device = t.device
-        self.version = t._version
         self.nbytes = nbytes
-        # Weak, as Handle: only to see an in-place change while someone else
-        # keeps the tensor (or, for a view, its base) alive.
-        self._source = weakref.ref(t)
-        base = t._base
-        self._base = weakref.ref(base) if base is not None else None
+        self.depth = depth
 
     def rebuild(
         self, empty: Callable[[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device], Any]
@@ -494,7 +473,7 @@ class Recipe:
             TierstoreError: the saved tensor or an input was modified in place
                 after forward used it (the error eager autograd raises).
         """
-        for alias in (self._source(), self._base() if self._base is not None else None):
+        for alias in self.sources():
             if alias is not None and alias._version != self.version:
                 raise modified_in_place(self.shape, self.dtype, alias._version, self.version)
 

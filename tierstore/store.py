@@ -294,20 +294,15 @@ class TierManager:
         """An uninitialised tensor of this layout in the store's own memory, or ``None``.
 
         On a CPU, a leased pool buffer that returns when the tensor's storage is
-        freed (as disk reads do); ``None`` for another device or a full pool.
+        freed, as disk reads land (the heap when the pool is full); ``None`` for
+        another device.
         """
-        if device.type != "cpu":
+        alloc = self._transfers.allocator(device)
+        if alloc is None:
             return None
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        span = (
-            0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
-        )
         with self._locked():
             self.check_open()
-            buf = self._transfers.buffer(max(span, 1) * itemsize)
-        if buf.data_ptr() % itemsize:
-            return None
-        return buf[: span * itemsize].view(dtype).as_strided(shape, stride)
+            return codec.empty_strided(shape, stride, dtype, alloc)
 
     def count_recomputed(self, nbytes: int) -> None:
         """Count a saved tensor the caller will rebuild in backward instead of storing."""
