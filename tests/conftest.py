@@ -165,3 +165,15 @@ def buffers_in_use(store: tierstore.TierStore, expected: int = 0) -> int:
         if in_use == expected or time.monotonic() > deadline:
             return in_use
         time.sleep(0.01)
+
+
+class FailingBackward(torch.autograd.Function):
+    """Identity in forward; its backward raises ``RuntimeError("boom")`` (a backward that fails)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")

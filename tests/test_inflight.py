@@ -23,7 +23,7 @@ from tierstore import codec, readahead, writebehind
 from tierstore.backends.file import FileBackend
 from tierstore.pipeline import Pipeline
 
-from .conftest import buffers_in_use
+from .conftest import FailingBackward, buffers_in_use
 
 MIB = 1 << 20
 
@@ -207,19 +207,10 @@ def test_a_read_back_tensor_lives_in_the_pool_until_autograd_drops_it(
 
 
 def test_buffers_come_back_when_backward_fails_midway(spill_root: Path) -> None:
-    class Boom(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-            raise RuntimeError("boom")
-
     x = torch.randn(64 * 1024, requires_grad=True)
     with tierstore.TierStore(_config(spill_root)) as store:
         with store.offload():
-            loss = Boom.apply(_chain(x, 4).expand(8)).sum()
+            loss = FailingBackward.apply(_chain(x, 4).expand(8)).sum()
         store.flush()
         with pytest.raises(RuntimeError, match="boom"):
             loss.backward()

@@ -25,7 +25,7 @@ from tierstore import recompute
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.recompute import Recipe
 
-from .conftest import DISK_VARIANTS, _all_to_disk, assert_empty, buffers_in_use
+from .conftest import DISK_VARIANTS, FailingBackward, _all_to_disk, assert_empty, buffers_in_use
 
 
 def _cheap(config: tierstore.TierConfig) -> tierstore.TierConfig:
@@ -269,18 +269,9 @@ def test_a_graph_dropped_without_backward_leaves_nothing(host_store: tierstore.T
 
 
 def test_a_failing_backward_leaves_nothing(host_store: tierstore.TierStore) -> None:
-    class Boom(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            raise RuntimeError("boom")
-
     model, x = _decoder(), _input()
     with host_store.offload():
-        loss = model(Boom.apply(x)).square().mean()
+        loss = model(FailingBackward.apply(x)).square().mean()
     with pytest.raises(RuntimeError, match="boom"):
         loss.backward()
     del loss
