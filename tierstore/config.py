@@ -261,8 +261,8 @@ class TierConfig(BaseSettings):
     )
     prefetch_bytes: Size = Field(
         default=ByteSize(256 << 20),
-        description="At most this many bytes read ahead of backward (disk reads, H2D copies "
-        "on CUDA); the window below it is sized by need.",
+        description="At most this many bytes read ahead of backward and held by it (disk "
+        "reads, H2D copies on CUDA); the window below it is sized by need.",
     )
     write_queue_bytes: Size = Field(
         default=ByteSize(256 << 20),

@@ -18,6 +18,8 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -46,10 +48,29 @@ __all__ = ["ReadAhead"]
 # is a hit; one that must be read on demand is a miss. The first unpack of a
 # backward whose entries are all on disk is always a miss: nothing says when
 # forward has ended.
+#
+# What the window's limit bounds is memory backward holds from the store at
+# once, not only reads in flight: a read stays charged to it after backward
+# takes it, for as long as the tensor lives (autograd drops it once its node
+# has run; a recompute recipe may keep an input for that input's own unpack,
+# and its rebuilt tensor, which comes from the store too, is charged the same
+# way; see hold()). Counting only reads in flight let those held tensors sit
+# on top of a full window: with recompute, the inputs a rebuild had just read
+# ahead of their own unpacks and the rebuilt tensor stood 56 MiB above the
+# most the pool ever held without recompute in bench train's GPT. While held
+# tensors fill the limit, one read is still kept in flight, so backward
+# always has the next entry coming (none with prefetch_bytes=0, which turns
+# read-ahead off).
 
 # The window's size: NOTE [ In-flight sizing ] in tierstore/sizing.py. The
 # first unpack of a backward is not a stall of the window's making (nothing
-# could have read it ahead) and does not grow it.
+# could have read it ahead) and does not grow it; nor does a wait for any
+# read the first unpack's top-up sent out. Those reads left the moment
+# backward began, behind the writes forward had just queued, and a larger
+# window would only have queued more behind them. In bench train's GPT every
+# step after the first waited about 0.1 s at its third or fifth unpack, for
+# such a read, and nowhere else: counted as stalls, those waits kept the
+# window at prefetch_bytes, step after step.
 _START_BYTES = 16 << 20
 _MIN_BYTES = 4 << 20
 
@@ -91,8 +112,15 @@ class ReadAhead:
         self.hits = 0
         self.misses = 0
         self.first_waits = 0  # first unpacks of a backward that waited: not the window's doing
+        self._opening: set[int] = set()  # reads the first unpack's top-up sent out
         self.prefetched_bytes = 0
         self.unpack_wait_s = 0.0
+        # Bytes of tensors handed to backward and still alive (NOTE [ Prefetch ]).
+        # They die on any thread, at any moment (a garbage collection under the
+        # manager's lock, say), so a death only queues its bytes: appending to
+        # a deque takes no lock. The next top-up settles them.
+        self.held_bytes = 0
+        self._freed: deque[int] = deque()
 
     # -- the window ----------------------------------------------------------------
 
@@ -113,10 +141,43 @@ class ReadAhead:
         if ahead is not None:
             self._forget(ahead)
 
+    def hold(self, tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """Charge ``nbytes`` to the window until ``tensor`` is freed; returns ``tensor``.
+
+        For tensors the store hands to backward (NOTE [ Prefetch ]). Called
+        under the manager's lock.
+
+        Example:
+            >>> import gc, torch
+            >>> from tierstore import TierConfig
+            >>> from tierstore.readahead import ReadAhead
+            >>> from tierstore.schedule import Schedule
+            >>> ra = ReadAhead(TierConfig(), None, None, Schedule(), {})
+            >>> t = ra.hold(torch.empty(1024, dtype=torch.uint8), 1024)
+            >>> ra.outstanding_bytes()
+            1024
+            >>> del t; _ = gc.collect(); ra.outstanding_bytes()
+            0
+        """
+        self.held_bytes += nbytes
+        return self._until_freed(tensor, nbytes)
+
+    def _until_freed(self, tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
+        # Bytes already counted in held_bytes come off when the tensor dies.
+        weakref.finalize(tensor, self._freed.append, nbytes).atexit = False
+        return tensor
+
+    def outstanding_bytes(self) -> int:
+        """What the window's limit bounds: reads ahead plus tensors still held."""
+        while self._freed:
+            self.held_bytes -= self._freed.popleft()
+        return self.window_bytes + self.held_bytes
+
     def top_up(self) -> None:
         """Queue reads in schedule order up to the window's limit (NOTE [ Prefetch ])."""
         assert self._pipeline is not None and self._transfers is not None
-        while self.window_bytes < self.limit.bytes:
+        limit = self.limit.bytes
+        while self.outstanding_bytes() < limit or (limit and not self._window):
             key = self._schedule.next_planned()
             if key is None:
                 return
@@ -172,7 +233,8 @@ class ReadAhead:
             self.misses += 1
             copy = self._transfers.device_copy(span, entry.device, entry.ready)
         # Remembered first, so that the top-up does not copy this entry again.
-        out = entry.remember(codec.from_span(Transfers.consume(copy), layout))
+        out = codec.from_span(Transfers.consume(copy), layout)
+        out = entry.remember(self.hold(out, entry.nbytes))
         self.top_up()
         return out
 
@@ -188,7 +250,7 @@ class ReadAhead:
             if ahead is not None:
                 self._forget(ahead)
             self.hits += 1
-            self.top_up()
+            self._top_up_after(first)
             if cached is not None:
                 return cached
             assert in_memory is not None
@@ -206,13 +268,21 @@ class ReadAhead:
             self._demand[entry.key] = future
         if self._disk is not None:
             self._disk.read += entry.footprint
+        # Held from now on (finish() ties it to the tensor), so that the
+        # top-up below leaves room for it.
+        self.held_bytes += entry.nbytes
         if not future.done():
-            if first:
+            if first or entry.key in self._opening:
                 self.first_waits += 1
             else:
                 self.limit.stalled()
-        self.top_up()
+        self._top_up_after(first)
         return future
+
+    def _top_up_after(self, first: bool) -> None:
+        self.top_up()
+        if first:  # the reads sent out as backward began (NOTE [ Prefetch ])
+            self._opening = set(self._window)
 
     def finish(
         self,
@@ -221,6 +291,21 @@ class ReadAhead:
         lock: threading.Lock,
     ) -> torch.Tensor:
         """Wait for ``future`` (the caller holds no lock), then the entry's tensor."""
+        try:
+            out = self._wait(entry, future, lock)
+        except BaseException:
+            with lock:
+                self.held_bytes -= entry.nbytes  # counted by from_disk; nothing came back
+            raise
+        with lock:
+            return entry.remember(self._until_freed(out, entry.nbytes))
+
+    def _wait(
+        self,
+        entry: Entry,
+        future: concurrent.futures.Future[torch.Tensor],
+        lock: threading.Lock,
+    ) -> torch.Tensor:
         assert self._pipeline is not None and self._transfers is not None
         start = time.perf_counter()
         try:
@@ -233,7 +318,7 @@ class ReadAhead:
                 self.unpack_wait_s += waited
                 self._demand.pop(entry.key, None)
         copy = self._transfers.device_copy(span, entry.device)
-        return entry.remember(self._restore(entry, Transfers.consume(copy)))
+        return self._restore(entry, Transfers.consume(copy))
 
     def _restore(self, entry: Entry, span: torch.Tensor) -> torch.Tensor:
         assert self._transfers is not None and entry.layout is not None
@@ -261,6 +346,7 @@ class ReadAhead:
             if isinstance(ahead, DeviceCopy) and ahead.ready is not None:
                 ahead.ready.synchronize()
         self._window.clear()
+        self._opening.clear()
         self._demand.clear()
         self.window_bytes = 0
 

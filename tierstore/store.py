@@ -295,14 +295,16 @@ class TierManager:
 
         On a CPU, a leased pool buffer that returns when the tensor's storage is
         freed, as disk reads land (the heap when the pool is full); ``None`` for
-        another device.
+        another device. Like a read, it counts against the prefetch window
+        while it lives (NOTE [ Prefetch ] in readahead.py).
         """
         alloc = self._transfers.allocator(device)
         if alloc is None:
             return None
         with self._locked():
             self.check_open()
-            return codec.empty_strided(shape, stride, dtype, alloc)
+            out = codec.empty_strided(shape, stride, dtype, alloc)
+            return self._reads.hold(out, out.untyped_storage().nbytes())
 
     def count_recomputed(self, nbytes: int) -> None:
         """Count a saved tensor the caller will rebuild in backward instead of storing."""
