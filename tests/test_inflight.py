@@ -8,10 +8,11 @@ never on timings: stalls are forced by gating the disk, not by a slow one.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import gc
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -407,13 +408,27 @@ def test_lmdb_writes_staged_records_without_joining_them(spill_root: Path) -> No
         assert torch.equal(x.grad, grad)
 
 
+@contextlib.contextmanager
+def _manager(spill_root: Path, **overrides: Any) -> Iterator[TierManager]:
+    m = TierManager(_config(spill_root, **overrides))
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+def _outstanding(m: TierManager) -> int:
+    """What the window's limit bounds now, once dropped tensors are collected."""
+    gc.collect()
+    with m._lock:
+        return m._reads.outstanding_bytes()
+
+
 def test_tensors_backward_still_holds_count_against_the_window(spill_root: Path) -> None:
     # NOTE [ Prefetch ]: the window bounds reads ahead plus what backward holds.
     # A 256 KiB window over 64 KiB entries: while backward keeps k tensors,
     # 256 - 64 k KiB may be read ahead, and never less than one read.
-    cfg = _config(spill_root, prefetch_bytes="256KiB", io_workers=1)
-    m = TierManager(cfg)
-    try:
+    with _manager(spill_root, prefetch_bytes="256KiB", io_workers=1) as m:
         handles = [m.put(torch.full((16 * 1024,), float(i))) for i in range(8)]
         m.flush()
         m._reads.limit.bytes = 256 << 10  # as if grown: start at the bound
@@ -425,26 +440,16 @@ def test_tensors_backward_still_holds_count_against_the_window(spill_root: Path)
                 assert m._reads.window_bytes == (0 if n == 8 else max(256 - 64 * n, 64) << 10)
         assert [float(t[0]) for t in kept] == [7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0]
         del kept
-        gc.collect()
-        with m._lock:
-            assert m._reads.outstanding_bytes() == 0
-    finally:
-        m.close()
+        assert _outstanding(m) == 0
 
 
 def test_a_rebuilt_tensor_counts_against_the_window_while_it_lives(spill_root: Path) -> None:
-    m = TierManager(_config(spill_root))
-    try:
+    with _manager(spill_root) as m:
         out = m.empty((4, 1024), (1024, 1), torch.float32, torch.device("cpu"))
         assert out is not None
-        with m._lock:
-            assert m._reads.outstanding_bytes() == 16 << 10
+        assert _outstanding(m) == 16 << 10
         del out
-        gc.collect()
-        with m._lock:
-            assert m._reads.outstanding_bytes() == 0
-    finally:
-        m.close()
+        assert _outstanding(m) == 0
 
 
 def test_prefetch_bytes_zero_reads_nothing_ahead(spill_root: Path) -> None:
