@@ -460,3 +460,48 @@ def test_prefetch_bytes_zero_reads_nothing_ahead(spill_root: Path) -> None:
         _step(store, x, n=6)
         stats = store.stats()
     assert (stats.prefetch_hits, stats.prefetch_misses, stats.bytes_prefetched) == (0, 6, 0)
+
+
+@pytest.mark.parametrize("backend", ["file", "lmdb"])
+@pytest.mark.parametrize("recompute", ["off", "cheap"])
+def test_every_charge_comes_off_the_window_after_backward(
+    spill_root: Path, backend: str, recompute: str
+) -> None:
+    # Reads, inputs a rebuild kept for their own unpacks, rebuilt tensors: once
+    # backward has dropped them, nothing is left charged, step after step.
+    from tierstore.bench.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, d_model=32, heads=2, layers=2, seq=16, dropout=0.1))
+    tokens = torch.randint(0, 64, (2, 17))
+    cfg = _config(spill_root, disk_backend=backend, recompute=recompute)
+    with tierstore.TierStore(cfg) as store:
+        for _ in range(3):
+            with store.offload():
+                loss = model.loss(tokens)
+            loss.backward()
+            del loss
+            assert _outstanding(store._manager) == 0
+        stats = store.stats()
+        assert stats.prefetch_hits > 0
+        assert (stats.recomputed > 0) == (recompute == "cheap")
+
+
+def test_a_failed_read_takes_its_charge_back(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = torch.randn(16 * 1024, requires_grad=True)
+
+    def broken(self: FileBackend, *args: Any) -> None:
+        raise OSError(5, "Input/output error")
+
+    # prefetch_bytes=0: the unpack reads on demand, charged before it waits.
+    with tierstore.TierStore(_config(spill_root, prefetch_bytes=0)) as store:
+        with store.offload():
+            loss = _chain(x, 2)
+        store.flush()
+        monkeypatch.setattr(FileBackend, "_load", broken)
+        with pytest.raises(tierstore.TierstoreError, match="Input/output error"):
+            loss.backward()
+        del loss
+        assert _outstanding(store._manager) == 0
