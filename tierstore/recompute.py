@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -127,29 +128,21 @@ def cheap(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -
         >>> cheap(None, torch.ops.aten.mm.default).name
         'PREFER_SAVE'
     """
-    policy = _CHEAP.get(op)
-    if policy is None:
-        listed = op._overloadpacket.__name__ in CHEAP_OPS
-        policy = _CHEAP[op] = (
-            CheckpointPolicy.PREFER_RECOMPUTE if listed else CheckpointPolicy.PREFER_SAVE
-        )
     if "device" in kwargs and op._overloadpacket is torch.ops.aten._to_copy:
         return CheckpointPolicy.PREFER_SAVE  # a copy to another device is not cheap
-    return policy
+    return _cheap_policy(op)
 
 
-_CHEAP: dict[Any, CheckpointPolicy] = {}
+@functools.cache
+def _cheap_policy(op: Any) -> CheckpointPolicy:
+    listed = op._overloadpacket.__name__ in CHEAP_OPS
+    return CheckpointPolicy.PREFER_RECOMPUTE if listed else CheckpointPolicy.PREFER_SAVE
 
 
-_NEVER: dict[Any, bool] = {}
-
-
+@functools.cache
 def _never(op: Any) -> bool:
     """Ops no policy may recompute: mutating or random ones (looked up once per op)."""
-    never = _NEVER.get(op)
-    if never is None:
-        never = _NEVER[op] = op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags
-    return never
+    return bool(op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags)
 
 
 # An op's arguments as a flat list of leaves and the shape to rebuild them
@@ -331,29 +324,23 @@ class _Node(_Shared):
 # native_layer_norm, gets the others in fresh tensors of the layouts forward
 # gave them). Views, ops without a matching out= overload, intermediates and
 # CUDA tensors keep the functional op.
-_OUT: dict[Any, tuple[Any, tuple[str, ...]] | None] = {}
-
-
+@functools.cache
 def _out_overload(func: Any) -> tuple[Any, tuple[str, ...]] | None:
     """``func``'s out= overload, taking its arguments plus one out= per output, and their names."""
-    if func in _OUT:
-        return _OUT[func]
-    found = None
     schema = func._schema
-    if all(r.alias_info is None for r in schema.returns):
-        names = [a.name for a in schema.arguments]
-        packet = func._overloadpacket
-        for name in (f"{func._overloadname}_out", "out"):
-            if name not in packet.overloads():
-                continue
-            candidate = getattr(packet, name)
-            args = [a.name for a in candidate._schema.arguments]
-            outs = tuple(args[len(names) :])
-            if args[: len(names)] == names and len(outs) == len(schema.returns):
-                found = (candidate, outs)
-                break
-    _OUT[func] = found
-    return found
+    if any(r.alias_info is not None for r in schema.returns):
+        return None
+    names = [a.name for a in schema.arguments]
+    packet = func._overloadpacket
+    for name in (f"{func._overloadname}_out", "out"):
+        if name not in packet.overloads():
+            continue
+        candidate = getattr(packet, name)
+        args = [a.name for a in candidate._schema.arguments]
+        outs = tuple(args[len(names) :])
+        if args[: len(names)] == names and len(outs) == len(schema.returns):
+            return candidate, outs
+    return None
 
 
 #: Memory for a rebuilt tensor (a tensor of the saved layout, or None), and which
