@@ -10,7 +10,7 @@ import tierstore
 from tierstore.config import describe_config
 
 KNOWN = (
-    "Known settings: compression, compression_level, device_budget, disk_backend, disk_budget, "
+    "Known settings: activation_budget, compression, compression_level, device_budget, disk_backend, disk_budget, "
     "disk_path, host_budget, host_pool_step, io_workers, min_offload_bytes, pin_memory, "
     "prefetch_bytes, recompute, write_queue_bytes"
 )
@@ -219,3 +219,37 @@ def test_configs_that_are_not_configs() -> None:
     assert str(info.value) == (
         "tierstore: load_config(path=123) takes the path of a TOML file; got int"
     )
+
+
+@pytest.mark.parametrize(
+    ("value", "parsed"),
+    [
+        (None, None),
+        ("none", None),
+        (0, 0),
+        ("6GiB", 6 << 30),
+        (1000, 1000),
+        ("1000", 1000),
+        (0.3, 0.3),
+        ("0.3", 0.3),
+        ("30%", 0.3),
+        (1.0, 1.0),
+        ("100%", 1.0),
+    ],
+)
+def test_activation_budget_is_bytes_or_a_fraction(value: object, parsed: object) -> None:
+    got = tierstore.TierConfig(activation_budget=value).activation_budget
+    assert got == parsed and type(got) is type(parsed)
+
+
+def test_activation_budget_from_env_and_toml(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    toml = tmp_path / "tierstore.toml"
+    toml.write_text('activation_budget = "25%"\n')
+    monkeypatch.setenv("TIERSTORE_CONFIG", str(toml))
+    assert tierstore.load_config().activation_budget == 0.25
+    monkeypatch.setenv("TIERSTORE_ACTIVATION_BUDGET", "2GiB")
+    assert tierstore.load_config().activation_budget == 2 << 30
+    with tierstore.offload(activation_budget=0.5, disk_budget=0) as store:
+        assert store.config.activation_budget == 0.5

@@ -52,6 +52,8 @@ FORMS = {
     "compression": "one of 'none', 'zstd'",
     "compression_level": "a whole number from 1 to 22",
     "recompute": "one of 'off', 'cheap'",
+    "activation_budget": "a size such as '6GiB', a fraction of the step's saved bytes such as "
+    "0.3 or '30%', or 'none'",
 }
 #: A regular file in the working directory (each test's tmp_path), for disk_path.
 A_FILE = "a-file"
@@ -198,6 +200,52 @@ OTHER_CASES = [
             ("toml-type", ["cheap"], None, '["cheap"]'),
             ("type", None, None, None),
         ],
+    ),
+    # activation_budget: a size or a fraction in (0, 1]; None (or "none") is valid
+    Bad(
+        "activation_budget", "type", "words", "not a number followed by a unit", "words", '"words"'
+    ),
+    Bad("activation_budget", "type", "", "an empty size", "", '""'),
+    Bad(
+        "activation_budget",
+        "type",
+        True,
+        "a bool is not a budget",
+        "true",
+        "true",
+        "not a number followed by a unit",
+    ),
+    Bad("activation_budget", "range", -1, "a budget cannot be negative", "-1", "-1"),
+    Bad("activation_budget", "range", -0.5, "a budget cannot be negative", "-0.5", "-0.5"),
+    Bad(
+        "activation_budget",
+        "range",
+        0.0,
+        "a fraction must be above 0 (got 0.0); 0 bytes is written 0",
+        "0.0",
+        "0.0",
+    ),
+    *(
+        Bad(
+            "activation_budget",
+            "range",
+            value,
+            f"a fraction cannot be above 1 (got {shown}); give bytes as a size such as '6GiB'",
+            env,
+            toml,
+        )
+        for value, shown, env, toml in [
+            (1.5, "1.5", "1.5", "1.5"),
+            ("150%", "150%", "150%", '"150%"'),
+        ]
+    ),
+    Bad(
+        "activation_budget", "unit", "6 GB/s", f"unknown unit 'GB/s'; {UNITS}", "6 GB/s", '"6 GB/s"'
+    ),
+    Bad("activation_budget", "type", "x%", "'x%' is not a percentage", "x%", '"x%"'),
+    Bad("activation_budget", "toml-type", [0.3], "a list is not a budget", None, "[0.3]"),
+    Bad(
+        "activation_budget", "toml-type", {"f": 0.3}, "a dict is not a budget", None, "{ f = 0.3 }"
     ),
 ]
 

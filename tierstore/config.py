@@ -136,6 +136,49 @@ def _int_input(value: Any) -> Any:
     return value
 
 
+_BUDGET_FORM = (
+    "a size such as '6GiB', a fraction of the step's saved bytes such as 0.3 or '30%', or 'none'"
+)
+
+
+def _budget_input(value: Any) -> Any:
+    """``activation_budget``: ``None``, bytes (an int or a size) or a fraction in (0, 1]."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == "none":
+            return None
+        if text.endswith("%"):
+            try:
+                percent = Decimal(text[:-1].strip())
+            except ArithmeticError:
+                raise ValueError(f"{text!r} is not a percentage") from None
+            return _fraction(float(percent / 100), text)
+        if re.fullmatch(r"[-+]?(\d+\.\d*|\.\d+)", text):
+            return _fraction(float(text), text)
+    elif isinstance(value, float):
+        return _fraction(value, repr(value))
+    try:
+        return _size_input(value)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("a size", "a budget")) from None
+
+
+def _fraction(value: float, shown: str) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{shown} is not a number")
+    if value < 0:
+        raise ValueError("a budget cannot be negative")
+    if value == 0:
+        raise ValueError(f"a fraction must be above 0 (got {shown}); 0 bytes is written 0")
+    if value > 1:
+        raise ValueError(
+            f"a fraction cannot be above 1 (got {shown}); give bytes as a size such as '6GiB'"
+        )
+    return value
+
+
 def _path_input(value: Any) -> Any:
     if isinstance(value, str):
         # Path("") is the working directory: never what an empty setting meant.
@@ -150,6 +193,8 @@ def _path_input(value: Any) -> Any:
 
 #: Bytes, given as an int or a string with a unit ("4GiB", "512MB"); NOTE [ Size syntax ].
 Size = Annotated[ByteSize, BeforeValidator(_size_input)]
+#: ``activation_budget``: bytes (int), a fraction of the step's saved bytes (float), or None.
+Budget = Annotated[int | float | None, BeforeValidator(_budget_input)]
 #: A whole number that is not a bool.
 Count = Annotated[int, BeforeValidator(_int_input)]
 
@@ -283,6 +328,15 @@ class TierConfig(BaseSettings):
         description="'cheap': saved tensors that a cheap elementwise, normalisation or view "
         "op made from inputs stored anyway are rebuilt in backward instead of stored "
         "(NOTE [ Recompute ] in tierstore/recompute.py).",
+    )
+
+    activation_budget: Budget = Field(
+        default=None,
+        description="Saved activations that may stay in the memory of the device that made "
+        "them, tierstore's in-flight buffers included: a size, or a fraction of what the "
+        "step saves (0.3, '30%'). tierstore profiles a step and plans keep / offload / "
+        "rebuild per saved tensor for the fastest step within it (NOTE [ Planning ] in "
+        "tierstore/planner.py). None: placement by the budgets above.",
     )
 
     @field_validator("disk_path", mode="before")
@@ -555,6 +609,8 @@ def _origins(arguments: Mapping[str, Any]) -> dict[str, Origin]:
 
 
 def _expected(name: str) -> str:
+    if name == "activation_budget":
+        return _BUDGET_FORM
     field = TierConfig.model_fields[name]
     annotation = field.annotation
     if annotation is ByteSize:
