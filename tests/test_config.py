@@ -10,8 +10,9 @@ import tierstore
 from tierstore.config import describe_config
 
 KNOWN = (
-    "Known settings: activation_budget, compression, compression_level, device_budget, disk_backend, disk_budget, "
-    "disk_path, host_budget, host_pool_step, io_workers, min_offload_bytes, pin_memory, "
+    "Known settings: activation_budget, compression, compression_level, device_budget, "
+    "disk_backend, disk_budget, disk_path, host_budget, host_pool_step, io_workers, "
+    "min_offload_bytes, pin_memory, "
     "prefetch_bytes, recompute, write_queue_bytes"
 )
 SIZE = "expected a size such as '4GiB', '512MB' or a whole number of bytes"
