@@ -1,0 +1,245 @@
+"""The planner (issue 21): a pure function, tested on synthetic profiles."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierstore.planner import Choice, Profile, Save, make_plan, simulate
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+# NOTE [ The H100 step ]
+# Issue 21's measured step: a GPT of 12 blocks (d 2048, 16 heads, seq 2048,
+# batch 4, bf16) on one H100, 71 ms a step without offload; each block saves
+# about 0.47 GiB in about 1.25 ms of forward; backward takes about twice
+# forward; PCIe moves 55 GB/s out and 52 GB/s back. Each block saves, in
+# forward order, with the op that made it and what a rebuild replays (FLOPs
+# at TFLOPS, or bytes read and written at HBM for memory-bound ops):
+#   x     the block's input  add(x2 of the last block, fc2(gelu))  fc2's matmul
+#   h1    layer norm of x    memory-bound
+#   qkv   h1 @ W_qkv         2 * 8192 * 2048 * 6144 FLOPs
+#   attn  causal attention   2 * b * s^2 * d FLOPs (half of 4bs^2d: causal)
+#   x2    x + proj(attn)     the projection's 2 * 8192 * 2048^2
+#   h2    layer norm of x2   memory-bound
+#   fc1   h2 @ W_1           2 * 8192 * 2048 * 8192
+#   gelu  gelu(fc1)          memory-bound
+# in units of one activation (b * s * d bf16 = 32 MiB, scaled so that a
+# block is 0.47 GiB): 1, 1, 3, 1, 1, 1, 4, 4; each op's share of the block's
+# 1.25 ms is its share of the block's rebuild cost. The head saves the final
+# norm's output. Memory is BASE (parameters, gradients, optimizer state and
+# the head's and loss's working tensors) plus the saved bytes resident at the
+# plan's peak. BASE is set so that checkpointing every block (block inputs
+# kept, the rest rebuilt) comes out where the issue measured it, 0.37x of no
+# offload's memory at 1.21x of its time: test_checkpointing_every_block
+# checks both figures, so the model is calibrated on the issue's step.
+TFLOPS = 600e12
+HBM = 3.0e12
+BLOCKS = 12
+UNIT = int(0.47 * GIB / 16)
+SAVED = BLOCKS * 16 * UNIT + UNIT
+BASE = int(0.255 / 0.745 * SAVED)  # BASE is 0.255x of no offload's memory
+NONE_BYTES = BASE + SAVED
+FORWARD_BLOCK_S = 1.25e-3
+STEP_S = 71e-3
+
+
+def _h100_profile() -> Profile:
+    mm = {
+        "x": 2 * 8192 * 2048 * 2048 / TFLOPS,  # fc2
+        "qkv": 2 * 8192 * 2048 * 6144 / TFLOPS,
+        "attn": 2 * 4 * 2048**2 * 2048 / TFLOPS,
+        "x2": 2 * 8192 * 2048 * 2048 / TFLOPS,  # proj
+        "fc1": 2 * 8192 * 2048 * 8192 / TFLOPS,
+    }
+    units = {"x": 1, "h1": 1, "qkv": 3, "attn": 1, "x2": 1, "h2": 1, "fc1": 4, "gelu": 4}
+    ops = {
+        "x": "aten.add",
+        "h1": "aten.native_layer_norm",
+        "qkv": "aten.mm",
+        "attn": "aten._scaled_dot_product_flash_attention",
+        "x2": "aten.add",
+        "h2": "aten.native_layer_norm",
+        "fc1": "aten.mm",
+        "gelu": "aten.gelu",
+    }
+    # Forward time of each save's op: its FLOPs' share of the block's 1.25 ms.
+    share = {n: mm.get(n, 2 * units[n] * UNIT / HBM) for n in units}
+    scale = FORWARD_BLOCK_S / sum(share.values())
+    forward = FORWARD_BLOCK_S * BLOCKS
+    head_forward = 0.8e-3
+    backward = 2 * (forward + head_forward)
+    saves: list[Save] = []
+    t = 0.0
+    for b in range(BLOCKS):
+        first = len(saves)
+        index = {n: first + k for k, n in enumerate(units)}
+        for name, size in units.items():
+            t += share[name] * scale
+            inputs: tuple[int, ...] = {
+                "x": (first - 4, first - 1) if b else (),
+                "h1": (index["x"],),
+                "qkv": (index["h1"],),
+                "attn": (index["qkv"],),
+                "x2": (index["x"], index["attn"]),
+                "h2": (index["x2"],),
+                "fc1": (index["h2"],),
+                "gelu": (index["fc1"],),
+            }[name]
+            saves.append(
+                Save(
+                    nbytes=size * UNIT,
+                    op=ops[name],
+                    module=f"blocks.{b}",
+                    forward_s=t,
+                    use_s=backward - 2 * t - 2 * head_forward,
+                    rebuild_s=share[name] * scale if b or name != "x" else 2 * UNIT / HBM,
+                    inputs=inputs,
+                )
+            )
+    t += head_forward
+    saves.append(Save(UNIT, "aten.native_layer_norm", "head", t, 0.0, None, ()))
+    return Profile(
+        saves=tuple(saves),
+        forward_s=t,
+        backward_s=backward,
+        other_s=STEP_S - t - backward,
+        write_bytes_per_s=55e9,
+        read_bytes_per_s=52e9,
+        window_bytes=256 * MIB,
+    )
+
+
+def _budget(memory: float) -> int:
+    """The activation budget that makes the step's memory ``memory`` x no offload's."""
+    return int(memory * NONE_BYTES - BASE)
+
+
+def test_h100_profile_is_the_issue_step() -> None:
+    profile = _h100_profile()
+    keep_all = simulate(profile, ("keep",) * len(profile.saves), profile.window_bytes)
+    assert keep_all.step_s == pytest.approx(STEP_S)
+    assert (BASE + keep_all.peak_bytes) / NONE_BYTES == pytest.approx(1.0, abs=0.01)
+
+
+def _checkpoint_first(profile: Profile, n: int) -> tuple[Choice, ...]:
+    """torch.utils.checkpoint on the first ``n`` blocks: their inputs kept, the rest rebuilt."""
+    return tuple(
+        "rebuild" if i // 8 < n and i % 8 and s.module != "head" else "keep"
+        for i, s in enumerate(profile.saves)
+    )
+
+
+def test_checkpointing_every_block() -> None:
+    # The calibration (NOTE [ The H100 step ]): the issue measured 0.37x and 1.21x.
+    profile = _h100_profile()
+    out = simulate(profile, _checkpoint_first(profile, BLOCKS), profile.window_bytes)
+    assert (BASE + out.peak_bytes) / NONE_BYTES == pytest.approx(0.37, abs=0.01)
+    assert out.step_s / STEP_S == pytest.approx(1.21, abs=0.03)
+    # and the first 6 blocks: measured 0.68x at 1.10x
+    out = simulate(profile, _checkpoint_first(profile, 6), profile.window_bytes)
+    assert (BASE + out.peak_bytes) / NONE_BYTES == pytest.approx(0.68, abs=0.03)
+    assert out.step_s / STEP_S == pytest.approx(1.10, abs=0.01)
+
+
+@pytest.mark.parametrize("n", range(1, BLOCKS + 1))
+def test_faster_than_checkpointing_at_its_memory(n: int) -> None:
+    profile = _h100_profile()
+    checkpointed = simulate(profile, _checkpoint_first(profile, n), profile.window_bytes)
+    plan = make_plan(profile, checkpointed.peak_bytes)
+    assert plan.fits
+    assert plan.predicted_step_s <= checkpointed.step_s
+    assert plan.predicted_step_s == simulate(profile, plan.choices, plan.window_bytes).step_s
+
+
+def test_h100_within_2_percent_at_075x() -> None:
+    plan = make_plan(_h100_profile(), _budget(0.75))
+    assert plan.fits
+    assert plan.predicted_step_s / STEP_S <= 1.02
+
+
+# Issue 21 asks for 1.05x at 0.5x, 1.10x at 0.37x and 1.15x at 0.30x. On this
+# profile the planner predicts 1.08x, 1.15x and (0.30x: only everything
+# offloaded fits) 3.5x. The bound, at 0.5x: 3.8 GiB must go; the link hides
+# at most 55 GB/s x 16 ms of forward = 0.81 GiB; the cheap saves (norms,
+# gelu: 2.1 GiB) cost 1.5 ms to rebuild; the remaining 0.9 GiB are matmul and
+# attention outputs at 3.8 ms/GiB: 4.9 ms in all, 1.07x at best. Strict:
+# should the planner or the model reach a target, these fail and must go.
+@pytest.mark.parametrize(("memory", "slowest"), [(0.5, 1.05), (0.37, 1.10), (0.30, 1.15)])
+@pytest.mark.xfail(strict=True, reason="below the bound this profile allows; see above")
+def test_h100_issue_targets_out_of_reach(memory: float, slowest: float) -> None:
+    plan = make_plan(_h100_profile(), _budget(memory))
+    assert plan.fits
+    assert plan.predicted_step_s / STEP_S <= slowest
+
+
+def test_floor_is_about_030x() -> None:
+    profile = _h100_profile()
+    plan = make_plan(profile, 0)
+    assert not plan.fits
+    assert plan.predicted_peak_bytes == plan.floor_bytes
+    assert 0.28 < (BASE + plan.floor_bytes) / NONE_BYTES < 0.30
+
+
+def _chain(n: int, *, rebuild_s: float | None = 0.001, nbytes: int = 100 * MIB) -> Profile:
+    """``n`` saves of ``nbytes``, 10 ms of forward apart, backward twice forward."""
+    saves = tuple(
+        Save(nbytes, "aten.mm", f"m.{i}", 0.01 * (i + 1), 0.02 * (n - 1 - i), rebuild_s)
+        for i in range(n)
+    )
+    return Profile(saves, 0.01 * n, 0.02 * n, 0.0, 20e9, 20e9, 256 * MIB)
+
+
+def test_a_budget_that_holds_everything_keeps_everything() -> None:
+    profile = _chain(8)
+    plan = make_plan(profile, profile.saved_bytes + profile.window_bytes)
+    assert plan.choices == ("keep",) * 8
+    assert plan.predicted_step_s == pytest.approx(0.24)
+    assert plan.predicted_peak_bytes == 800 * MIB
+
+
+def test_offload_goes_to_the_earliest_saves_and_never_to_what_backward_needs_first() -> None:
+    plan = make_plan(_chain(8, rebuild_s=None), 600 * MIB)
+    assert plan.fits
+    assert plan.choices[-1] == "keep"  # backward's first use: a copy could not hide
+    offloaded = [i for i, c in enumerate(plan.choices) if c == "offload"]
+    assert offloaded == list(range(len(offloaded)))
+    assert plan.predicted_step_s == pytest.approx(0.24)  # every copy hidden
+
+
+def test_what_cannot_be_rebuilt_is_never_rebuilt() -> None:
+    profile = _chain(8, rebuild_s=None)
+    for budget in (0, 100 * MIB, 400 * MIB):
+        assert "rebuild" not in make_plan(profile, budget).choices
+
+
+def test_rebuilds_cheapest_per_byte_first() -> None:
+    saves = (
+        Save(100 * MIB, "aten.mm", "a", 0.01, 0.03, 0.010),
+        Save(100 * MIB, "aten.gelu", "b", 0.02, 0.02, 0.001),
+        Save(100 * MIB, "aten.mm", "c", 0.03, 0.01, 0.010),
+    )
+    no_link = Profile(saves, 0.03, 0.06, 0.0, 1e3, 1e3, 256 * MIB)  # copies take ages
+    plan = make_plan(no_link, 200 * MIB)
+    assert plan.choices == ("keep", "rebuild", "keep")
+    assert plan.predicted_step_s == pytest.approx(0.091)
+
+
+def test_a_budget_below_the_floor_gets_the_lowest_peak() -> None:
+    plan = make_plan(_chain(4, rebuild_s=None), 0)
+    assert not plan.fits
+    assert plan.floor_bytes == 100 * MIB  # one read in flight at least
+    assert plan.predicted_peak_bytes == plan.floor_bytes
+
+
+def test_the_table() -> None:
+    plan = make_plan(_chain(2, rebuild_s=None, nbytes=MIB), 0)
+    plan.measured_step_s = 0.0612
+    plan.measured_peak_bytes = MIB
+    assert str(plan).splitlines() == [
+        "module        kept   offloaded     rebuilt    exposed",
+        "m.0            0 B     1.0 MiB         0 B      0.0ms",
+        "m.1            0 B     1.0 MiB         0 B      0.1ms",
+        "budget 0 B, window 1.0 MiB, floor 1.0 MiB",
+        "step: predicted 0.06005 s, measured 0.0612 s; peak: predicted 1.0 MiB, measured 1.0 MiB",
+    ]

@@ -1,0 +1,512 @@
+"""The planner: a profiled step and an activation budget in, keep / offload / rebuild out.
+
+A pure function over numbers (NOTE [ Planning ]): it knows bytes, seconds and
+rates, not tensors, streams, files or autograd. The store records a
+:class:`Profile` of one real step, calls :func:`make_plan`, and carries the
+:class:`Plan` out; the plan reports what it predicted beside what the store
+measured.
+
+Example:
+    >>> from tierstore.planner import Profile, Save, make_plan
+    >>> saves = tuple(Save(nbytes=100 << 20, op="aten.mm", module=f"block.{i}",
+    ...                    forward_s=0.01 * (i + 1), use_s=0.02 * (3 - i), rebuild_s=0.01)
+    ...               for i in range(4))
+    >>> profile = Profile(saves=saves, forward_s=0.04, backward_s=0.08, other_s=0.0,
+    ...                   write_bytes_per_s=10e9, read_bytes_per_s=10e9, window_bytes=64 << 20)
+    >>> plan = make_plan(profile, 250 << 20)
+    >>> plan.choices
+    ('offload', 'offload', 'offload', 'keep')
+    >>> plan.predicted_peak_bytes <= 250 << 20
+    True
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["Choice", "Plan", "Profile", "Save", "make_plan", "simulate"]
+
+#: What the plan does with one saved tensor.
+Choice = Literal["keep", "offload", "rebuild"]
+
+# NOTE [ Planning ]
+# The user states one number, activation_budget: the bytes of saved tensors
+# that may rest in the memory of the device that made them at any moment of
+# the step, tierstore's own bytes in flight included. Three ways free a
+# saved tensor's bytes, each with its own cost:
+#   * keep: costs memory, nothing else;
+#   * offload (to host, and disk below it): costs link time each way, hidden
+#     when the copy out fits in the forward compute after the save and the
+#     copy back in the backward compute before the use; the copies go out in
+#     save order and come back in use order through a window of at most
+#     window_bytes, which the budget pays for;
+#   * rebuild (replay the ops that made it, in backward): costs compute,
+#     never hidden, and memory while the rebuilt tensor waits for its use.
+# A profiled step gives, per saved tensor, its bytes, when forward saved it
+# and when backward used it (compute time only: waits are taken out), and
+# what a rebuild costs; the store measures the link's rates as it runs.
+# simulate() plays one plan through that timeline: a write queue that makes
+# forward wait when it is over the window, reads that start as the window
+# frees, rebuilds that add their compute, and the bytes resident at every
+# save and use. make_plan() then, for each window size it tries:
+#   1. gives the link to the saves that are dearest to rebuild per byte
+#      (those that cannot be rebuilt first), as long as it hides them;
+#   2. rebuilds the rest, cheapest per byte first (elementwise ops and norms
+#      before matmuls), until the peak fits;
+#   3. offloads what still does not fit, exposed, earliest saves first;
+# and keeps the fastest plan whose peak fits. Nothing fits: the plan that
+# reaches the lowest peak, with that floor in bytes (the store warns once).
+# Greedy, not optimal: a save's choice is made once. Each step is an O(n)
+# simulation, so planning n saves costs O(n^2) for each window size.
+
+
+@dataclass(frozen=True)
+class Save:
+    """One saved tensor of a profiled step, in the order forward saved it.
+
+    Attributes:
+        nbytes: the bytes it rests in.
+        op: the op that made it (``"aten.mm"``), for the plan's table.
+        module: the module whose forward saved it (a block), for the table.
+        forward_s: forward compute from the step's first save to this save.
+        use_s: backward compute from backward's start to its first use.
+        rebuild_s: compute to rebuild it from what is stored; ``None`` when it
+            cannot be rebuilt (a random op, an input that is not stored).
+        inputs: the saves (indices) a rebuild reads; rebuilt ones are rebuilt
+            first and live until their own use.
+    """
+
+    nbytes: int
+    op: str
+    module: str
+    forward_s: float
+    use_s: float
+    rebuild_s: float | None = None
+    inputs: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One real step, as the planner needs it (NOTE [ Planning ]).
+
+    Attributes:
+        saves: the saved tensors the plan decides on, in save order.
+        forward_s: forward compute from the first save to backward's start.
+        backward_s: backward compute, waits taken out.
+        other_s: the rest of the step (before the first save, the optimizer).
+        write_bytes_per_s: the link out (device to host, or to disk).
+        read_bytes_per_s: the link back.
+        window_bytes: the most bytes that may be in flight each way.
+        moved_s_per_byte: compute time each byte moved costs the step on top
+            of the link (a CPU's copies and checksums run on its own cores).
+        fixed_bytes: saved bytes that stay whatever the plan (kept tensors,
+            saves under ``min_offload_bytes``): counted in every peak.
+        shared_link: one link both ways (a disk: reads queue behind writes),
+            rather than a copy engine each way (PCIe).
+    """
+
+    saves: tuple[Save, ...]
+    forward_s: float
+    backward_s: float
+    other_s: float
+    write_bytes_per_s: float
+    read_bytes_per_s: float
+    window_bytes: int
+    moved_s_per_byte: float = 0.0
+    fixed_bytes: int = 0
+    shared_link: bool = False
+
+    @property
+    def saved_bytes(self) -> int:
+        """Every byte the step saves: what a fraction of a budget is a fraction of."""
+        return self.fixed_bytes + sum(s.nbytes for s in self.saves)
+
+
+@dataclass
+class Plan:
+    """What to do with each saved tensor of a step, and what it should cost.
+
+    ``str(plan)`` is a table, one row per module, with the bytes kept,
+    offloaded and rebuilt, and the predicted exposed time; the last lines
+    give the step's predicted time and peak beside the measured ones once
+    the store has run a step under the plan.
+
+    Attributes:
+        choices: one :data:`Choice` per save of the profile.
+        budget_bytes: the budget planned for.
+        window_bytes: the in-flight bound the plan assumes.
+        predicted_step_s: the step time the plan predicts.
+        predicted_peak_bytes: the most saved bytes resident at once, predicted.
+        floor_bytes: the lowest peak the profile can reach at all; above the
+            budget when the budget cannot be met.
+        measured_step_s: the last step run under the plan (``None`` before).
+        measured_peak_bytes: its measured peak of saved bytes resident.
+    """
+
+    profile: Profile
+    choices: tuple[Choice, ...]
+    budget_bytes: int
+    window_bytes: int
+    predicted_step_s: float
+    predicted_peak_bytes: int
+    floor_bytes: int
+    exposed_s: tuple[float, ...] = ()
+    measured_step_s: float | None = None
+    measured_peak_bytes: int | None = None
+    steps: int = field(default=0)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the predicted peak is within the budget."""
+        return self.predicted_peak_bytes <= self.budget_bytes
+
+    def bytes_by_choice(self) -> dict[Choice, int]:
+        """Bytes kept, offloaded and rebuilt.
+
+        Example:
+            >>> from tierstore.planner import Profile, Save, make_plan
+            >>> p = Profile((Save(64, "aten.mm", "m", 0.0, 0.0),), 1.0, 1.0, 0.0, 1e9, 1e9, 64)
+            >>> make_plan(p, 1 << 20).bytes_by_choice()
+            {'keep': 64, 'offload': 0, 'rebuild': 0}
+        """
+        out: dict[Choice, int] = {"keep": 0, "offload": 0, "rebuild": 0}
+        for save, choice in zip(self.profile.saves, self.choices, strict=True):
+            out[choice] += save.nbytes
+        return out
+
+    def __str__(self) -> str:
+        rows: dict[str, list[float]] = {}
+        for i, (save, choice) in enumerate(zip(self.profile.saves, self.choices, strict=True)):
+            row = rows.setdefault(save.module or "(no module)", [0, 0, 0, 0.0])
+            row[("keep", "offload", "rebuild").index(choice)] += save.nbytes
+            row[3] += self.exposed_s[i] if self.exposed_s else 0.0
+        width = max([len("module"), *(len(m) for m in rows)])
+        lines = [
+            f"{'module':<{width}}  {'kept':>10}  {'offloaded':>10}  {'rebuilt':>10}  {'exposed':>9}"
+        ]
+        for module, (kept, offloaded, rebuilt, exposed) in rows.items():
+            lines.append(
+                f"{module:<{width}}  {_size(kept):>10}  {_size(offloaded):>10}  "
+                f"{_size(rebuilt):>10}  {exposed * 1e3:>7.1f}ms"
+            )
+        lines.append(
+            f"budget {_size(self.budget_bytes)}, window {_size(self.window_bytes)}, "
+            f"floor {_size(self.floor_bytes)}"
+        )
+        measured_step = "-" if self.measured_step_s is None else f"{self.measured_step_s:.4g} s"
+        measured_peak = "-" if self.measured_peak_bytes is None else _size(self.measured_peak_bytes)
+        lines.append(
+            f"step: predicted {self.predicted_step_s:.4g} s, measured {measured_step}; "
+            f"peak: predicted {_size(self.predicted_peak_bytes)}, measured {measured_peak}"
+        )
+        return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What :func:`simulate` predicts for one plan."""
+
+    step_s: float
+    peak_bytes: int
+    exposed_s: tuple[float, ...]  # per save: waits and rebuild compute charged to it
+
+
+def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -> Outcome:
+    """Play a plan through the profiled step: its time and its peak (NOTE [ Planning ]).
+
+    Example:
+        >>> from tierstore.planner import Profile, Save, simulate
+        >>> p = Profile((Save(100, "aten.mm", "m", 0.0, 1.0, 0.5),), 1.0, 1.0, 0.0, 100.0,
+        ...             100.0, 1000)
+        >>> simulate(p, ("keep",), 1000).step_s, simulate(p, ("rebuild",), 1000).step_s
+        (2.0, 2.5)
+        >>> out = simulate(p, ("offload",), 1000)   # 1 s out, hidden; 1 s back, hidden
+        >>> out.step_s, out.peak_bytes
+        (2.0, 100)
+    """
+    saves = profile.saves
+    exposed = [0.0] * len(saves)
+    fixed = profile.fixed_bytes
+    # Forward: copies out in save order, forward waits while the queue is over the window.
+    stall = 0.0
+    link_out = -math.inf
+    queue: deque[tuple[float, int]] = deque()  # (copy done at, bytes)
+    queued = kept = peak = 0
+    for i, (save, choice) in enumerate(zip(saves, choices, strict=True)):
+        now = save.forward_s + stall
+        while queue and queue[0][0] <= now:
+            queued -= queue.popleft()[1]
+        if choice == "keep":
+            kept += save.nbytes
+        elif choice == "offload":
+            while queue and queued + save.nbytes > profile.window_bytes:
+                done, nbytes = queue.popleft()
+                exposed[i] += done - now
+                stall += done - now
+                now, queued = done, queued - nbytes
+            link_out = max(link_out, now) + save.nbytes / profile.write_bytes_per_s
+            queue.append((link_out, save.nbytes))
+            queued += save.nbytes
+        peak = max(peak, fixed + kept + queued)
+    end_forward = profile.forward_s + stall
+    while queue and queue[0][0] <= end_forward:
+        queued -= queue.popleft()[1]
+    peak = max(peak, fixed + kept + queued)
+    # Backward (NOTE [ Planning ]): what happens, in order, then when.
+    events, reads = _backward_events(saves, choices)
+    ready: dict[int, float] = {}
+    held = rebuilt = 0
+    link_in = max(end_forward, link_out) if profile.shared_link else end_forward
+    next_read = 0
+    delay = 0.0
+    now = end_forward
+
+    def issue(at: float) -> None:
+        nonlocal next_read, held, link_in
+        while next_read < len(reads):
+            j = reads[next_read]
+            if held and held + saves[j].nbytes > window_bytes:
+                return
+            link_in = max(link_in, at) + saves[j].nbytes / profile.read_bytes_per_s
+            ready[j] = link_in
+            held += saves[j].nbytes
+            next_read += 1
+
+    def wait(j: int, charge: int) -> None:
+        nonlocal now, delay
+        if j not in ready:  # the window is full of reads not yet used: read it now
+            issue(now)
+        if j not in ready:
+            ready[j] = now + saves[j].nbytes / profile.read_bytes_per_s
+        if ready[j] > now:
+            exposed[charge] += ready[j] - now
+            delay += ready[j] - now
+            now = ready[j]
+
+    issue(now)
+    queued_at_backward = queued
+    for trigger, kind, i in events:
+        save = saves[i]
+        now = max(now, end_forward + saves[trigger].use_s + delay)
+        if kind == "rebuild":
+            for j in save.inputs:
+                if choices[j] == "offload":
+                    wait(j, trigger)
+            cost = save.rebuild_s or 0.0
+            exposed[trigger] += cost
+            delay += cost
+            now += cost
+            rebuilt += save.nbytes
+            continue
+        if choices[i] == "offload":
+            wait(i, i)
+        queued = queued_at_backward if i == events[0][1] else 0
+        peak = max(peak, fixed + kept + queued + held + rebuilt)
+        if choices[i] == "keep":
+            kept -= save.nbytes
+        elif choices[i] == "offload":
+            held -= save.nbytes
+        else:
+            rebuilt -= save.nbytes
+        issue(now)
+    moved = sum(2 * s.nbytes for s, c in zip(saves, choices, strict=True) if c == "offload")
+    step = (
+        profile.other_s
+        + end_forward
+        + profile.backward_s
+        + delay
+        + moved * profile.moved_s_per_byte
+    )
+    return Outcome(step, peak, tuple(exposed))
+
+
+_Event = tuple[int, Literal["rebuild", "use"], int]  # (the use that triggers it, kind, save)
+
+
+def _backward_events(
+    saves: tuple[Save, ...], choices: tuple[Choice, ...]
+) -> tuple[list[_Event], list[int]]:
+    """Backward's rebuilds and uses in order, and the order offloaded saves are first needed.
+
+    A rebuild runs when its save, or a rebuilt save made from it, is first
+    used; it needs its stored inputs then, before their own use.
+    """
+    events: list[_Event] = []
+    reads: list[int] = []
+    seen: set[int] = set()
+
+    def need(i: int, trigger: int) -> None:
+        if i in seen:
+            return
+        seen.add(i)
+        if choices[i] == "offload":
+            reads.append(i)
+        elif choices[i] == "rebuild":
+            for j in saves[i].inputs:
+                need(j, trigger)
+            events.append((trigger, "rebuild", i))
+
+    for i in sorted(range(len(saves)), key=lambda i: saves[i].use_s):
+        need(i, i)
+        events.append((i, "use", i))
+    return events, reads
+
+
+def _windows(profile: Profile) -> list[int]:
+    """Window sizes to try: the bound, halved down to the largest save (at least one read)."""
+    largest = max((s.nbytes for s in profile.saves), default=0)
+    out = [profile.window_bytes]
+    while out[-1] // 2 >= largest and len(out) < 8:
+        out.append(out[-1] // 2)
+    if largest < profile.window_bytes and largest not in out:
+        out.append(largest)
+    return out
+
+
+def _plan_for_window(
+    profile: Profile, budget: int, window: int, start: tuple[Choice, ...]
+) -> tuple[list[Choice], Outcome]:
+    """Lazy greedy from ``start``: free the bytes that cost the least time per byte first.
+
+    A move takes a kept save to offload or rebuild and never raises the peak.
+    A price is simulated again when its move comes up: if the move got dearer
+    than the next, the next goes first.
+    """
+    saves = profile.saves
+    choices = list(start)
+    outcome = simulate(profile, tuple(choices), window)
+
+    def dearness(i: int) -> float:
+        rebuild = saves[i].rebuild_s
+        return math.inf if rebuild is None else rebuild / max(saves[i].nbytes, 1)
+
+    def movable(i: int, choice: Choice) -> bool:
+        return choices[i] == "keep" and (
+            choice == "offload" or not _chains_across(saves, choices, i)
+        )
+
+    def price(i: int, choice: Choice) -> tuple[float, float, int] | None:
+        if not movable(i, choice):
+            return None
+        trial = choices.copy()
+        trial[i] = choice
+        tried = simulate(profile, tuple(trial), window)
+        if tried.peak_bytes > outcome.peak_bytes:
+            return None
+        cost = max(tried.step_s - outcome.step_s, 0.0) / max(saves[i].nbytes, 1)
+        # Ties (copies the link hides) go to what is dearest to rebuild, earliest first.
+        return (cost, -dearness(i), i)
+
+    heap: list[tuple[float, float, int, Choice]] = []
+    for i in range(len(saves)):
+        for choice in _choices_of(saves[i]):
+            found = price(i, choice)
+            if found is not None:
+                heapq.heappush(heap, (*found, choice))
+    while heap and outcome.peak_bytes > budget:
+        _, _, i, choice = heapq.heappop(heap)
+        found = price(i, choice)
+        if found is None:
+            continue
+        if heap and (found[0], found[1]) > (heap[0][0], heap[0][1]):
+            heapq.heappush(heap, (*found, choice))  # dearer now than the next: look again
+            continue
+        choices[i] = choice
+        outcome = simulate(profile, tuple(choices), window)
+    return choices, outcome
+
+
+def _choices_of(save: Save) -> tuple[Choice, ...]:
+    return ("offload", "rebuild") if save.rebuild_s is not None else ("offload",)
+
+
+def _chains_across(saves: tuple[Save, ...], choices: list[Choice], i: int) -> bool:
+    """Whether rebuilding ``i`` would chain into a rebuild of another module.
+
+    Such a chain is rebuilt in the later module's backward and waits there
+    for its own use: two modules' activations at once (NOTE [ Planning ]).
+    """
+    module = saves[i].module
+    if any(choices[j] == "rebuild" and saves[j].module != module for j in saves[i].inputs):
+        return True
+    return any(
+        choices[k] == "rebuild" and saves[k].module != module and i in saves[k].inputs
+        for k in range(i + 1, len(saves))
+    )
+
+
+def make_plan(profile: Profile, budget_bytes: int) -> Plan:
+    """The fastest plan whose predicted peak fits ``budget_bytes`` (NOTE [ Planning ]).
+
+    When no plan fits, the one with the lowest peak, whose ``floor_bytes``
+    says how low the step can go.
+
+    Args:
+        profile: the profiled step.
+        budget_bytes: saved bytes that may be resident at once, in-flight included.
+
+    Example:
+        >>> from tierstore.planner import Profile, Save, make_plan
+        >>> p = Profile((Save(1000, "aten.mm", "m", 0.0, 0.0),), 1.0, 1.0, 0.0, 1e9, 1e9, 1000)
+        >>> plan = make_plan(p, 10)   # cannot be rebuilt, 1000 bytes in flight at least
+        >>> plan.fits, plan.floor_bytes
+        (False, 1000)
+    """
+    best: tuple[list[Choice], Outcome, int] | None = None
+    lowest: tuple[list[Choice], Outcome, int] | None = None
+    for window in _windows(profile):
+        starts = [("keep",) * len(profile.saves), *_lowest_templates(profile)]
+        tried = [_plan_for_window(profile, budget_bytes, window, start) for start in starts]
+        tried += [(list(c), simulate(profile, c, window)) for c in starts[1:]]
+        for choices, outcome in tried:
+            if lowest is None or outcome.peak_bytes < lowest[1].peak_bytes:
+                lowest = (choices, outcome, window)
+            if outcome.peak_bytes <= budget_bytes and (
+                best is None or outcome.step_s < best[1].step_s
+            ):
+                best = (choices, outcome, window)
+    assert lowest is not None
+    floor = lowest[1].peak_bytes
+    if best is None:
+        best = lowest
+    choices, outcome, window = best
+    return Plan(
+        profile=profile,
+        choices=tuple(choices),
+        budget_bytes=budget_bytes,
+        window_bytes=window,
+        predicted_step_s=outcome.step_s,
+        predicted_peak_bytes=outcome.peak_bytes,
+        floor_bytes=min(floor, outcome.peak_bytes),
+        exposed_s=outcome.exposed_s,
+    )
+
+
+def _lowest_templates(profile: Profile) -> list[tuple[Choice, ...]]:
+    """Plans that free everything, for low budgets where one save at a time gets stuck.
+
+    All offloaded; and each module rebuilt from its first save, which is
+    kept or offloaded: checkpointing, found without the user wrapping a block.
+    """
+    saves = profile.saves
+    firsts = {s.module: i for i, s in reversed(list(enumerate(saves)))}
+    out: list[tuple[Choice, ...]] = [("offload",) * len(saves)]
+    for boundary in ("keep", "offload"):
+        out.append(
+            tuple(
+                boundary if firsts[s.module] == i or s.rebuild_s is None else "rebuild"
+                for i, s in enumerate(saves)
+            )
+        )
+    return out
