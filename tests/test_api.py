@@ -82,7 +82,8 @@ LAYERS = {
     # Integrations sit on top: the public store and offload_module, and nothing
     # in tierstore imports them (test_nothing_imports_the_integrations).
     "integrations": {"config", "errors", "hooks", "integrations", "stats"},
-    "hooks": {"config", "errors", "handle", "recompute", "stats", "store"},
+    # planner: the Plan that TierStore.plan() returns, and the choice a save gets.
+    "hooks": {"config", "errors", "handle", "planner", "recompute", "stats", "store"},
     # The autograd boundary's recorder (NOTE [ Recompute ]): ops, never bytes.
     "recompute": {"errors", "handle"},
     "store": {
@@ -92,12 +93,16 @@ LAYERS = {
         "errors",
         "handle",
         "pipeline",
+        "plans",
         "readahead",
         "schedule",
         "stats",
         "transfers",
         "writebehind",
     },
+    # activation_budget: the runner (the tier manager's layer) and the pure planner.
+    "plans": {"config", "pipeline", "planner"},
+    "planner": set(),
     "schedule": set(),
     "handle": set(),
     "stats": {"config"},

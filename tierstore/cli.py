@@ -154,7 +154,8 @@ def config(args: argparse.Namespace) -> int:
     rows = describe_config()
     print(f"{'setting':<18} {'value':<24} source")
     for name, value, origin in rows:
-        shown = human_bytes(int(value)) if name.endswith(("_budget", "_bytes")) else str(value)
+        sized = isinstance(value, int) and name.endswith(("_budget", "_bytes"))
+        shown = human_bytes(value) if sized else str(value)
         print(f"{name:<18} {shown:<24} {origin.describe()}")
     return 0
 

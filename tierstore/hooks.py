@@ -33,11 +33,20 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.module_tracker import ModuleTracker
 
 from tierstore.config import TierConfig, load_config
 from tierstore.errors import ConfigError, TierstoreWarning, modified_in_place
 from tierstore.handle import Handle
-from tierstore.recompute import Recipe, RecomputeSetting, Recorder, policy_of, shared_fetch
+from tierstore.planner import Choice, Plan
+from tierstore.recompute import (
+    Recipe,
+    RecomputeSetting,
+    Recorder,
+    everything,
+    policy_of,
+    shared_fetch,
+)
 from tierstore.stats import TIERS, PackTally, Placement, Stats, Tier, step_summary
 from tierstore.store import TierManager, resting_nbytes
 
@@ -301,13 +310,45 @@ def _checked(config: object, where: str) -> TierConfig | None:
 class _Block:
     """One entered offload block: its hooks, its first tally (or ``None``), its recompute state."""
 
-    __slots__ = ("before", "hooks", "outer_recompute", "pushed")
+    __slots__ = ("before", "hooks", "outer_recompute", "pushed", "tracker")
 
     def __init__(self, hooks: saved_tensors_hooks, before: PackTally | None) -> None:
         self.hooks = hooks
         self.before = before
         self.pushed: Recorder | None = None
         self.outer_recompute = False
+        self.tracker: ModuleTracker | None = None
+
+
+# NOTE [ Planned saves ]
+# With activation_budget set, the pack hook asks the tier manager's plan
+# runner what to do with each save it would offload (NOTE [ Planned steps ]
+# in plans.py): keep it in the device tier, offload it (the host tier, the
+# disk below it), or hand autograd a recipe that rebuilds it. The recorder
+# then records every op it may (recompute.everything): the plan, not a list
+# of cheap ops, picks what is rebuilt, and chains may run MAX_PLANNED_DEPTH
+# ops deep (a block rebuilt from its input is checkpointing). In a profiled
+# step the recorder also times each op, and a module tracker names the
+# module of each save (the outermost numbered one: a transformer block); the
+# pack hook writes down each save, the unpack hook each first use. The
+# tracker and the timing run in that step only.
+
+#: How many ops a planned rebuild may replay in one chain.
+MAX_PLANNED_DEPTH = 64
+#: Where a planned choice sends a save (None: the safe placement).
+_PLACED: dict[Choice | None, Tier | None] = {"keep": "device", "offload": "host", None: None}
+
+
+def _module_name(tracker: ModuleTracker | None) -> str:
+    """The save's module: the outermost numbered one (``GPT.blocks.3``), else a top one."""
+    if tracker is None:
+        return ""
+    names = [n for n in tracker.parents if n != "Global"]
+    numbered = [n for n in names if n.rsplit(".", 1)[-1].isdigit()]
+    if numbered:
+        return min(numbered, key=len)
+    top = [n for n in names if n.count(".") == 1]
+    return min(top) if top else min(names, key=len, default="")
 
 
 # NOTE [ Recompute in blocks ]
@@ -368,6 +409,7 @@ class TierStore:
     def __init__(self, config: TierConfig | None = None) -> None:
         self.config = _checked(config, "TierStore(config=...)") or load_config()
         self._manager = TierManager(self.config)
+        self._runner = self._manager.plans  # NOTE [ Planned saves ]
         self._min_bytes = int(self.config.min_offload_bytes)
         self._recompute = policy_of(self.config.recompute)
         self._warned = False  # NOTE [ Is it working? ] in tierstore/stats.py
@@ -436,10 +478,18 @@ class TierStore:
             raise
         # NOTE [ Recompute in blocks ]
         block.outer_recompute = getattr(_local, "recompute", False)
+        runner, timed, depth = self._runner, False, None
+        if runner is not None:  # NOTE [ Planned saves ]
+            timed = runner.will_profile
+            policy = everything if timed or runner.rebuilds else None
+            depth = MAX_PLANNED_DEPTH
         if policy is not None and _tracing():
             policy = None  # make_fx, FakeTensorMode: tracing keeps today's path
+        if timed and policy is not None and getattr(_local, "tracker", None) is None:
+            block.tracker = _local.tracker = ModuleTracker()
+            block.tracker.__enter__()
         if policy is not None and getattr(_local, "recorder", None) is None:
-            recorder = Recorder(policy, self._stays)
+            recorder = Recorder(policy, self._stays, timed=timed, max_depth=depth or 8)
             try:
                 recorder.__enter__()  # type: ignore[no-untyped-call]
             except BaseException:
@@ -456,6 +506,9 @@ class TierStore:
     def _close_block(self, block: _Block, ok: bool, where: str) -> None:
         """Pop the hooks; warn if nothing left the device (NOTE [ Is it working? ])."""
         try:
+            if block.tracker is not None:
+                _local.tracker = None
+                block.tracker.__exit__()
             if block.pushed is not None:
                 _local.recorder = None
                 block.pushed.__exit__(None, None, None)  # type: ignore[no-untyped-call]
@@ -481,14 +534,51 @@ class TierStore:
             warnings.warn(TierstoreWarning(message), stacklevel=_user_stacklevel())
 
     def _step_ended(self) -> None:
-        """NOTE [ Step log ]."""
+        """NOTE [ Step log ]; with activation_budget, the plan's turn (NOTE [ Planned saves ])."""
         self._step_unpacks = self._unpacks
         self._steps += 1
+        if self._runner is not None and not self._manager.closed:
+            line, warning = self._manager.plan_step_ended()
+            if line is not None:
+                log.info("%s", line)
+            if warning is not None:
+                warnings.warn(TierstoreWarning(warning), stacklevel=_user_stacklevel())
         if not log.isEnabledFor(logging.INFO) or self._manager.closed:
             return
         now = self._manager.stats()
         log.info("%s", step_summary(self._steps, now, self._logged))
         self._logged = now
+
+    def plan(self) -> Plan | None:
+        """The plan ``activation_budget`` runs on; ``None`` before a step was profiled.
+
+        The store's first step warms up, the second is profiled, and the plan
+        is made when the third begins (NOTE [ Planned steps ] in plans.py).
+        ``str()`` of it is a table: per module, the bytes kept, offloaded and
+        rebuilt and the predicted exposed time, then the step's predicted time
+        and peak beside the measured ones (NOTE [ Planned steps ] in plans.py).
+        ``None`` too without ``activation_budget``.
+
+        Example:
+            >>> import torch, tierstore
+            >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(),
+            ...                             torch.nn.Linear(256, 256))
+            >>> store = tierstore.TierStore(tierstore.TierConfig(
+            ...     activation_budget=0.5, min_offload_bytes=0))
+            >>> for step in range(3):
+            ...     with store.offload():
+            ...         loss = model(torch.randn(512, 256)).square().mean()
+            ...     loss.backward()
+            ...     print(store.plan() is None)
+            True
+            True
+            False
+            >>> store.plan().fits
+            True
+            >>> store.close()
+        """
+        runner = self._runner
+        return runner.plan if runner is not None else None
 
     def stats(self) -> Stats:
         """Bytes per tier now and at peak, entries, and what moved.
@@ -614,11 +704,15 @@ class TierStore:
                 # a FunctionalTensor op here.
                 return _Kept(t, t._version)
             self._manager.count_kept(t.numel() * t.element_size(), nbytes)
+            if self._runner is not None and nbytes in ("keep", "min_offload_bytes"):
+                self._runner.kept_fixed(t.numel() * t.element_size())  # activations it keeps
             kept = _Kept(t.detach(), t._version)
             recorder = _recorder()
             if recorder is not None:
                 recorder.note_packed(t, kept, None)
             return kept
+        if self._runner is not None and tier is None:
+            return self._pack_planned(t, nbytes)
         recorder = _recorder()
         if recorder is None:
             if tier is None:  # the common case; also what wrappers of put() in tests expect
@@ -636,9 +730,40 @@ class TierStore:
             recorder.note_packed(t, packed, None)
         return packed
 
+    def _pack_planned(self, t: torch.Tensor, nbytes: int) -> Handle | Recipe:
+        """NOTE [ Planned saves ]."""
+        runner = self._runner
+        assert runner is not None
+        recorder = _recorder()
+        choice = runner.choose(nbytes)
+        if choice == "rebuild":
+            recipe = recorder.recipe_for(t, nbytes) if recorder is not None else None
+            if recipe is not None:
+                self._manager.count_recomputed(nbytes)
+                assert recorder is not None
+                recorder.note_packed(t, recipe, None)
+                return recipe
+            choice = "offload"  # not rebuildable this time: its bytes still leave
+        handle = self._manager.put(t, nbytes, _PLACED[choice])
+        if recorder is not None:
+            recorder.note_packed(t, handle, self._manager.get)
+        if runner.profiling:
+            op, cost, inputs = recorder.describe(t) if recorder is not None else ("", None, [])
+            runner.saved(
+                handle.key,
+                nbytes=nbytes,
+                op=op,
+                module=_module_name(getattr(_local, "tracker", None)),
+                rebuild_s=cost,
+                input_keys=tuple(p.key for p in inputs if type(p) is Handle),
+            )
+        return handle
+
     @torch._compile._disable_dynamo
     def _unpack(self, packed: Handle | _Kept | Recipe) -> torch.Tensor:
         self._unpacks += 1  # NOTE [ Step log ]; a lost update under threads only delays a line
+        if self._runner is not None:
+            self._runner.used(packed.key if type(packed) is Handle else -1)
         return self._fetch(packed)
 
     def _fetch(self, packed: Handle | _Kept | Recipe) -> torch.Tensor:

@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -42,7 +43,7 @@ from tierstore.errors import (
     quoted,
 )
 
-__all__ = ["Pipeline", "Record"]
+__all__ = ["LinkClock", "Pipeline", "Record"]
 
 T = TypeVar("T")
 
@@ -69,6 +70,69 @@ _LIVENESS_S = 0.25
 # loop: the tier manager waits on a future only after releasing its own lock,
 # and the callbacks it passes here only assign attributes, so the loop thread
 # never waits for the manager either.
+
+
+class LinkClock:
+    """Bytes a link moved and the seconds it was busy moving them: its rate.
+
+    Busy means at least one transfer under way, counted from when it was
+    queued to when it ended, so a saturated link's rate is what it sustains.
+    Thread-safe: transfers end on the I/O thread.
+
+    Example:
+        >>> from tierstore.pipeline import LinkClock
+        >>> clock = LinkClock()
+        >>> clock.started(); clock.ended(1000)
+        >>> moved, busy = clock.snapshot(); moved
+        1000
+        >>> clock.rate_since((0, 0.0)) > 0
+        True
+    """
+
+    __slots__ = ("_active", "_busy_s", "_bytes", "_lock", "_since")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._since = 0.0
+        self._busy_s = 0.0
+        self._bytes = 0
+
+    def started(self) -> None:
+        """A transfer was queued."""
+        with self._lock:
+            if not self._active:
+                self._since = time.perf_counter()
+            self._active += 1
+
+    def ended(self, nbytes: int) -> None:
+        """A transfer of ``nbytes`` ended (done, failed or cancelled)."""
+        with self._lock:
+            self._active -= 1
+            self._bytes += nbytes
+            if not self._active:
+                self._busy_s += time.perf_counter() - self._since
+
+    def snapshot(self) -> tuple[int, float]:
+        """Bytes moved and busy seconds so far (a transfer under way counts its time)."""
+        with self._lock:
+            busy = self._busy_s
+            if self._active:
+                busy += time.perf_counter() - self._since
+            return self._bytes, busy
+
+    def rate_since(self, before: tuple[int, float]) -> float | None:
+        """Bytes per second since ``before`` (a snapshot); ``None`` if nothing moved."""
+        moved, busy = self.snapshot()
+        moved -= before[0]
+        busy -= before[1]
+        return moved / busy if moved > 0 and busy > 0 else None
+
+
+def _landed_bytes(future: concurrent.futures.Future[torch.Tensor]) -> int:
+    if future.cancelled() or future.exception() is not None:
+        return 0
+    return future.result().nbytes
 
 
 def _seen(future: asyncio.Future[Any]) -> None:
@@ -199,6 +263,9 @@ class Pipeline:
         self._start_lock = threading.Lock()
         self._closed = False
         self._death: BaseException | None = None
+        #: The disk's rates each way as the store runs (NOTE [ Planned steps ] in plans.py).
+        self.write_clock = LinkClock()
+        self.read_clock = LinkClock()
 
     # -- resources -------------------------------------------------------------
 
@@ -341,7 +408,10 @@ class Pipeline:
         """
         loop = self._running_loop()  # first: it may raise, and then no coroutine is made
         write = self._write(key, span, ready, alloc, headroom)
+        clock, nbytes = self.write_clock, span.nbytes
+        clock.started()
         future = asyncio.run_coroutine_threadsafe(write, loop)
+        future.add_done_callback(lambda _: clock.ended(nbytes))
         if done is not None:
             future.add_done_callback(done)
         return future
@@ -359,7 +429,11 @@ class Pipeline:
         lands in (the heap if ``None``).
         """
         loop = self._running_loop()  # first: it may raise, and then no coroutine is made
-        return asyncio.run_coroutine_threadsafe(self._read(key, record, alloc), loop)
+        clock = self.read_clock
+        clock.started()
+        future = asyncio.run_coroutine_threadsafe(self._read(key, record, alloc), loop)
+        future.add_done_callback(lambda f: clock.ended(_landed_bytes(f)))
+        return future
 
     def delete(self, key: int) -> None:
         """Free the disk record under ``key`` (on the caller's thread: it is bookkeeping)."""

@@ -311,7 +311,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
             continue
         if choices[i] == "offload":
             wait(i, i)
-        queued = queued_at_backward if i == events[0][1] else 0
+        queued = queued_at_backward if i == events[0][2] else 0
         peak = max(peak, fixed + kept + queued + held + rebuilt)
         if choices[i] == "keep":
             kept -= save.nbytes
@@ -466,7 +466,7 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
     best: tuple[list[Choice], Outcome, int] | None = None
     lowest: tuple[list[Choice], Outcome, int] | None = None
     for window in _windows(profile):
-        starts = [("keep",) * len(profile.saves), *_lowest_templates(profile)]
+        starts = [_all(profile, "keep"), *_lowest_templates(profile)]
         tried = [_plan_for_window(profile, budget_bytes, window, start) for start in starts]
         tried += [(list(c), simulate(profile, c, window)) for c in starts[1:]]
         for choices, outcome in tried:
@@ -493,6 +493,10 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
     )
 
 
+def _all(profile: Profile, choice: Choice) -> tuple[Choice, ...]:
+    return (choice,) * len(profile.saves)
+
+
 def _lowest_templates(profile: Profile) -> list[tuple[Choice, ...]]:
     """Plans that free everything, for low budgets where one save at a time gets stuck.
 
@@ -501,11 +505,13 @@ def _lowest_templates(profile: Profile) -> list[tuple[Choice, ...]]:
     """
     saves = profile.saves
     firsts = {s.module: i for i, s in reversed(list(enumerate(saves)))}
-    out: list[tuple[Choice, ...]] = [("offload",) * len(saves)]
+    rebuild: Choice = "rebuild"
+    out = [_all(profile, "offload")]
     for boundary in ("keep", "offload"):
+        edge: Choice = "keep" if boundary == "keep" else "offload"
         out.append(
             tuple(
-                boundary if firsts[s.module] == i or s.rebuild_s is None else "rebuild"
+                edge if firsts[s.module] == i or s.rebuild_s is None else rebuild
                 for i, s in enumerate(saves)
             )
         )

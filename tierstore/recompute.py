@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal
@@ -36,7 +37,7 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 from tierstore.errors import ConfigError, TierstoreError, modified_in_place
 from tierstore.handle import Saved
 
-__all__ = ["CHEAP_OPS", "Policy", "Recipe", "Recorder", "cheap"]
+__all__ = ["CHEAP_OPS", "Policy", "Recipe", "Recorder", "cheap", "everything"]
 
 # NOTE [ Recompute ]
 # A large share of what a decoder saves for backward is the output of a cheap
@@ -133,6 +134,22 @@ def cheap(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -
     return _cheap_policy(op)
 
 
+def everything(
+    ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any
+) -> CheckpointPolicy:
+    """The planner's rule: any op may be rebuilt; the plan picks which saves are.
+
+    Random and mutating ops are still never recorded (NOTE [ Recompute ]).
+
+    Example:
+        >>> import torch
+        >>> from tierstore.recompute import everything
+        >>> everything(None, torch.ops.aten.mm.default).name
+        'PREFER_RECOMPUTE'
+    """
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 @functools.cache
 def _cheap_policy(op: Any) -> CheckpointPolicy:
     listed = op._overloadpacket.__name__ in CHEAP_OPS
@@ -191,7 +208,7 @@ _Ref = tuple[str, Any, Any, int]
 class _Origin:
     """One recorded op: what made a tensor, with its tensor arguments resolved."""
 
-    __slots__ = ("__weakref__", "depth", "func", "leaves", "node", "outs", "spec")
+    __slots__ = ("__weakref__", "cost_s", "depth", "func", "leaves", "node", "outs", "spec")
 
     def __init__(self, func: Any, spec: Any, leaves: list[Any], depth: int, outs: _Layouts) -> None:
         self.func = func
@@ -200,6 +217,27 @@ class _Origin:
         self.depth = depth
         self.outs = outs  # the layouts of several outputs, for out= (else empty)
         self.node: weakref.ref[_Node] | None = None
+        self.cost_s = 0.0  # the op's own time, when the recorder times ops
+
+    def rebuild_cost(self) -> tuple[float, list[Any]]:
+        """Seconds a rebuild replays, and the packed objects it reads.
+
+        The seconds are this op's and those of the never-saved ops under it
+        (NOTE [ Planned steps ] in plans.py).
+        """
+        cost = self.cost_s
+        packed: list[Any] = []
+        for leaf in self.leaves:
+            if type(leaf) is not tuple:
+                continue
+            kind, ref, _, _ = leaf
+            if kind == "origin":
+                below, inputs = ref.rebuild_cost()
+                cost += below
+                packed += inputs
+            elif kind == "packed" and (obj := ref()) is not None:
+                packed.append(obj)
+        return cost, packed
 
     def node_for(self) -> _Node | None:
         """The shared rebuild node of this op, or ``None`` if an input is gone."""
@@ -513,10 +551,19 @@ class Recorder(TorchDispatchMode):
         True
     """
 
-    def __init__(self, policy: Policy, is_kept: Callable[[torch.Tensor], bool]) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        is_kept: Callable[[torch.Tensor], bool],
+        *,
+        max_depth: int = MAX_DEPTH,
+        timed: bool = False,
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._policy = policy
         self._is_kept = is_kept
+        self._max_depth = max_depth
+        self._timed = timed
         self._ctx = SelectiveCheckpointContext(is_recompute=False)
         # storage -> {view key: (version, ...)}; weak on the storage, so an
         # entry dies with its memory and a reused address never matches.
@@ -534,6 +581,8 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self._timed:
+            return self._timed_call(func, args, kwargs)
         out = func(*args, **kwargs)
         if (
             torch.is_grad_enabled()
@@ -544,7 +593,43 @@ class Recorder(TorchDispatchMode):
             self._record(func, args, kwargs, out)
         return out
 
-    def _record(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+    def _timed_call(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """A profiled step (NOTE [ Planned steps ] in plans.py): each op's time, for its rebuild.
+
+        On CUDA the op is timed between two synchronizations: this step only.
+        """
+        cuda = torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+        cost = time.perf_counter() - start
+        if (
+            torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and not _never(func)
+            and self._policy(self._ctx, func, *args, **kwargs) in _RECOMPUTE
+        ):
+            origin = self._record(func, args, kwargs, out)
+            if origin is not None:
+                origin.cost_s = cost
+        return out
+
+    def describe(self, t: torch.Tensor) -> tuple[str, float | None, list[Any]]:
+        """The op that made ``t``, what rebuilding it costs, and what the rebuild reads.
+
+        The seconds are ``None`` when ``t`` cannot be rebuilt.
+        """
+        made = self._origins.get(t.untyped_storage(), {}).get(_view_key(t))
+        if made is None or made[0] != t._version:
+            return "", None, []
+        origin = made[1]
+        cost, packed = origin.rebuild_cost()
+        return f"aten.{origin.func._overloadpacket.__name__}", cost, packed
+
+    def _record(self, func: Any, args: Any, kwargs: Any, out: Any) -> _Origin | None:
         flat, spec = _flatten(args, kwargs)
         leaves: list[Any] = []
         depth = 1
@@ -552,10 +637,10 @@ class Recorder(TorchDispatchMode):
             if isinstance(leaf, torch.Tensor):
                 ref = self._resolve(leaf)
                 if ref is None:
-                    return
+                    return None
                 depth = max(depth, ref[3] + 1)
-                if depth > MAX_DEPTH:  # a longer chain is stored, which cuts it
-                    return
+                if depth > self._max_depth:  # a longer chain is stored, which cuts it
+                    return None
                 leaves.append(ref)
             else:
                 leaves.append(leaf)
@@ -569,6 +654,7 @@ class Recorder(TorchDispatchMode):
             for i, o in enumerate(out):
                 if isinstance(o, torch.Tensor):
                     self._note_origin(o, origin, i)
+        return origin
 
     def _note_origin(self, t: torch.Tensor, origin: _Origin, index: int | None) -> None:
         if type(t) is not torch.Tensor or t.layout is not torch.strided:

@@ -57,6 +57,12 @@ class InFlightLimit:
         self._stalled = True
         self.bytes = min(self.cap_bytes, max(2 * self.bytes, self._min))
 
+    def bound(self, cap_bytes: int) -> None:
+        """A new upper bound (a plan's window); the limit and its floor follow it down."""
+        self.cap_bytes = cap_bytes
+        self._min = min(self._min, cap_bytes)
+        self.bytes = min(self.bytes, cap_bytes)
+
     def step_started(self) -> None:
         """A new step: shrink by a quarter if the last one never stalled."""
         if not self._stalled:

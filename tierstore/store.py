@@ -43,6 +43,7 @@ from tierstore.entry import Entry, TierState
 from tierstore.errors import StoreClosedError, TierFullError, TierstoreError, modified_in_place
 from tierstore.handle import Handle
 from tierstore.pipeline import Pipeline
+from tierstore.plans import PlanRunner
 from tierstore.readahead import ReadAhead
 from tierstore.schedule import Schedule
 from tierstore.stats import TIERS, PackTally, Placement, Stats, Tier, TierStats
@@ -170,6 +171,16 @@ class TierManager:
         # Saves by where they went (NOTE [ Is it working? ] in tierstore/stats.py).
         self.tally = PackTally()
         self._closed = False
+        #: activation_budget's profile, plan and measurements (NOTE [ Planned steps ]).
+        self.plans: PlanRunner | None = None
+        if config.activation_budget is not None:
+            self.plans = PlanRunner(
+                config,
+                self._pipeline.write_clock,
+                self._pipeline.read_clock,
+                lambda: self._writes.pack_wait_s + self._reads.unpack_wait_s,
+            )
+        self._resident_peak = 0
 
     # -- public --------------------------------------------------------------
 
@@ -206,6 +217,8 @@ class TierManager:
                 return self._handle(entry, t)
             if self._schedule.unpacking:
                 self._step_started()
+            if self.plans is not None:
+                self._follow_plan()
             self._make_room_in_flight()
             self.check_open()  # closed by another thread while this one waited
             size = resting_nbytes(t) if nbytes is None else nbytes
@@ -217,7 +230,39 @@ class TierManager:
             with contextlib.suppress(TypeError):  # storages that refuse weak references
                 self._dedupe[dedupe_key] = (weakref.ref(storage), entry.key)
                 entry.dedupe_key = dedupe_key
+            if self.plans is not None:
+                self._note_resident()
             return self._handle(entry, t)
+
+    # -- activation_budget (NOTE [ Planned steps ] in plans.py) ---------------------
+
+    def _follow_plan(self) -> None:
+        """The device tier holds what the plan keeps, or the safe placement's bytes."""
+        assert self.plans is not None
+        planned = self.plans.planned
+        self._tiers["device"].budget = _UNBOUNDED if planned else self.plans.safe_device_bytes()
+
+    def _note_resident(self) -> None:
+        """Saved bytes on the device now, in flight included: the peak the budget bounds."""
+        resident = (
+            self._tiers["device"].bytes
+            + self._reads.outstanding_bytes()
+            + self._writes.queued_bytes
+        )
+        self._resident_peak = max(self._resident_peak, resident)
+
+    def plan_step_ended(self) -> tuple[str | None, str | None]:
+        """The step ended: plan from its profile or measure the plan; (INFO line, warning)."""
+        runner = self.plans
+        assert runner is not None
+        with self._locked():
+            line = runner.step_ended(self._resident_peak)
+            self._resident_peak = 0
+            plan = runner.plan
+            window = plan.window_bytes if plan is not None else int(self.config.prefetch_bytes)
+            self._reads.limit.bound(window)
+            warning, runner.warning = runner.warning, None
+            return line, warning
 
     def _deduplicated_entry(self, dedupe_key: tuple[Any, ...], storage: object) -> Entry | None:
         """The live entry already holding this storage, view and version, with one more ref."""
@@ -253,6 +298,8 @@ class TierManager:
             self._check_version(entry, handle)
             first = not self._schedule.unpacking
             self._schedule.unpacked(entry.key)
+            if self.plans is not None:
+                self._note_resident()
             if entry.tier == "device":
                 assert entry.tensor is not None
                 return entry.tensor
@@ -573,6 +620,10 @@ class TierManager:
         entry.tensor = entry.held = entry.block = None
         if entry.ready is None:  # else settle() lets go once the copy has read it
             entry.probe = None
+
+
+#: The device tier's budget while a plan decides what it keeps.
+_UNBOUNDED = 1 << 62
 
 
 def _dedupe_key(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[Any, ...]:

@@ -1,0 +1,361 @@
+"""Carrying out an activation budget: profile a step, plan, apply the plan, measure it.
+
+Part of the tier manager's layer: it knows bytes, budgets and seconds, not
+autograd. The autograd boundary asks :meth:`PlanRunner.choose` what to do
+with each saved tensor and tells it about saves and uses while a step is
+profiled; the planner (``tierstore.planner``) decides; the tier manager
+places what the plan says. NOTE [ Planned steps ] says how a step goes.
+
+Example:
+    >>> from tierstore import TierConfig
+    >>> from tierstore.plans import PlanRunner, budget_bytes
+    >>> budget_bytes(0.25, saved_bytes=4000), budget_bytes(1000, saved_bytes=4000)
+    (1000, 1000)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
+from tierstore.pipeline import LinkClock
+from tierstore.planner import Choice, Plan, Profile, Save, make_plan
+
+__all__ = ["PlanRunner", "budget_bytes"]
+
+# NOTE [ Planned steps ]
+# With activation_budget set, every step is one of two kinds:
+#   * profiled (the first steps, and the one after a step that did not match
+#     the plan): the safe placement, which meets any budget without knowing
+#     the step (the newest saves kept up to a budget given in bytes less the
+#     bytes in flight, the rest offloaded; with a fraction, whose bytes are
+#     not known yet, everything offloaded), while each save is written down:
+#     its bytes, the op and module that made it, what a rebuild would cost
+#     and read, and when forward saved it and backward first used it, with
+#     the waits taken out. The link's rates come from the I/O it did.
+#   * planned: each save does what the plan says, in save order. A save that
+#     differs from the profile's at its place (another size, another
+#     branch, more saves) ends the plan for the rest of the step: the tier
+#     manager returns to the safe placement, counting what the plan kept so
+#     far, and the next step is profiled and planned again.
+# A step ends where the store sees the next step begin (NOTE [ Step log ] in
+# hooks.py): the first block after a backward. There the profile becomes a
+# plan, or the plan gets its measured time and peak beside the predicted.
+# The store's first step only warms up (lazy initialisation and first
+# allocations make it slower than any other); the one after it is profiled.
+# Once, after the first planned step, a prediction more than 10% off is
+# corrected and the plan made again: a step slower than predicted charges the
+# difference to the bytes it moved (moved_s_per_byte: on a CPU, copies and
+# checksums share its cores with the step); a faster one scales the
+# profile's compute times down to it.
+
+#: How far a prediction may be off before the plan is made again, once.
+REFIT_TOLERANCE = 0.10
+
+
+def budget_bytes(budget: int | float, saved_bytes: int) -> int:
+    """The budget in bytes: a size as it is, a fraction of the bytes the step saves."""
+    if isinstance(budget, float):
+        return int(budget * saved_bytes)
+    return int(budget)
+
+
+@dataclass
+class _Row:
+    nbytes: int
+    again: bool  # the same entry saved again: no new bytes
+    op: str
+    module: str
+    saved_at: float  # forward compute since the step's first save
+    rebuild_s: float | None
+    inputs: tuple[int, ...]
+    used_at: float | None = None  # backward compute since backward's first use
+
+
+@dataclass
+class _Step:
+    """What the runner knows of the step under way."""
+
+    started: float
+    profiling: bool
+    index: int = 0
+    rows: list[_Row] = field(default_factory=list)
+    row_of_key: dict[int, int] = field(default_factory=dict)
+    fixed_bytes: int = 0
+    waits_at_start: float = 0.0
+    backward_at: float | None = None  # when backward first used a save, waits out
+    last_use: float = 0.0
+    deviated: bool = False
+    written: tuple[int, float] = (0, 0.0)
+    read: tuple[int, float] = (0, 0.0)
+
+
+class PlanRunner:
+    """Profiles, plans and applies an activation budget (NOTE [ Planned steps ]).
+
+    Args:
+        config: the store's configuration (``activation_budget`` set).
+        writes, reads: the link's clocks, each way.
+        waits: the seconds forward and backward have waited on the store so far.
+
+    Example:
+        >>> from tierstore import TierConfig
+        >>> from tierstore.plans import PlanRunner
+        >>> from tierstore.pipeline import LinkClock
+        >>> runner = PlanRunner(TierConfig(activation_budget=0.5), LinkClock(), LinkClock(),
+        ...                     lambda: 0.0)
+        >>> runner.plan is None, runner.choose(1024)
+        (True, None)
+    """
+
+    def __init__(
+        self,
+        config: TierConfig,
+        writes: LinkClock,
+        reads: LinkClock,
+        waits: object,
+    ) -> None:
+        assert config.activation_budget is not None
+        self.budget = config.activation_budget
+        self._config = config
+        self._writes = writes
+        self._reads = reads
+        self._waits = waits  # () -> float
+        self.plan: Plan | None = None
+        self._expected: tuple[int, ...] = ()  # each save's bytes in the profile
+        self._step: _Step | None = None
+        self._refitted = False
+        self._warmed = False  # the store's first step warms up; the next is the profile
+        self.made = 0  # plans made (INFO lines)
+        self.warning: str | None = None  # a floor warning for the caller to issue, once
+        self._warned = False
+
+    # -- the step --------------------------------------------------------------------
+
+    @property
+    def profiling(self) -> bool:
+        """Whether the step under way is written down (saves and uses reported)."""
+        step = self._step
+        return step is not None and step.profiling
+
+    @property
+    def planned(self) -> bool:
+        """Whether the step under way follows a plan (and has not left it)."""
+        step = self._step
+        return step is not None and not step.profiling and not step.deviated
+
+    @property
+    def will_profile(self) -> bool:
+        """Whether the step under way, or the next one to begin, is profiled."""
+        step = self._step
+        return step.profiling if step is not None else self.plan is None
+
+    @property
+    def rebuilds(self) -> bool:
+        """Whether the plan rebuilds anything (the recorder must run)."""
+        return self.plan is not None and "rebuild" in self.plan.choices
+
+    def safe_device_bytes(self) -> int:
+        """What the safe placement keeps on the device (NOTE [ Planned steps ])."""
+        if isinstance(self.budget, float):
+            return 0
+        in_flight = int(self._config.prefetch_bytes) + int(self._config.write_queue_bytes)
+        return max(0, int(self.budget) - in_flight)
+
+    def _begin(self) -> _Step:
+        profiling = self.plan is None
+        step = _Step(time.perf_counter(), profiling, waits_at_start=self._now_waits())
+        step.written = self._writes.snapshot()
+        step.read = self._reads.snapshot()
+        self._step = step
+        return step
+
+    def _now_waits(self) -> float:
+        waits: float = self._waits()  # type: ignore[operator]
+        return waits
+
+    def _compute_now(self, step: _Step) -> float:
+        """Seconds since the step began, waits on the store taken out."""
+        return time.perf_counter() - step.started - (self._now_waits() - step.waits_at_start)
+
+    def choose(self, nbytes: int) -> Choice | None:
+        """What to do with the next save of the step; ``None``: the safe placement.
+
+        The first save of a step begins it.
+        """
+        step = self._step if self._step is not None else self._begin()
+        index = step.index
+        step.index += 1
+        if step.profiling or step.deviated:
+            return None
+        assert self.plan is not None
+        expected = self._expected
+        if index >= len(expected) or expected[index] != nbytes or step.backward_at is not None:
+            step.deviated = True
+            return None
+        return self.plan.choices[index]
+
+    def kept_fixed(self, nbytes: int) -> None:
+        """A save that stays whatever the plan (keep(), small): in every peak."""
+        step = self._step if self._step is not None else self._begin()
+        if step.profiling:
+            step.fixed_bytes += nbytes
+
+    def saved(
+        self,
+        key: int,
+        *,
+        nbytes: int,
+        op: str,
+        module: str,
+        rebuild_s: float | None,
+        input_keys: tuple[int, ...],
+    ) -> None:
+        """Write down a save of a profiled step (``key``: its entry's).
+
+        A save of an entry already saved (the same tensor twice) rests in no
+        new bytes: it is written down with none.
+        """
+        step = self._step
+        assert step is not None and step.profiling
+        inputs = tuple(step.row_of_key[k] for k in input_keys if k in step.row_of_key)
+        again = key in step.row_of_key
+        if not again:
+            step.row_of_key[key] = len(step.rows)
+        row = _Row(nbytes, again, op, module, self._compute_now(step), rebuild_s, inputs)
+        step.rows.append(row)
+
+    def used(self, key: int) -> None:
+        """Backward used the save of entry ``key`` (-1: a save that is no entry)."""
+        step = self._step
+        if step is None:
+            return
+        if not step.profiling:
+            if step.backward_at is None:
+                step.backward_at = 0.0  # no save after this one follows the plan
+            return
+        now = self._compute_now(step)
+        if step.backward_at is None:
+            step.backward_at = now
+        step.last_use = now
+        row = step.row_of_key.get(key)
+        if row is not None and step.rows[row].used_at is None:
+            step.rows[row].used_at = now - step.backward_at
+
+    def step_ended(self, peak_bytes: int) -> str | None:
+        """The step under way ended; returns the INFO line of a plan made or remade."""
+        step, self._step = self._step, None
+        if step is None:
+            return None
+        total = time.perf_counter() - step.started
+        if step.profiling:
+            if not self._warmed:
+                self._warmed = True  # lazy initialisation, first allocations: not the step
+                return None
+            return self._plan_from(step, total)
+        if step.deviated:
+            self.plan = None  # profile the next step and plan again
+            return None
+        assert self.plan is not None
+        self.plan.measured_step_s = total
+        self.plan.measured_peak_bytes = peak_bytes
+        self.plan.steps += 1
+        return self._refit(total)
+
+    # -- planning --------------------------------------------------------------------
+
+    def _plan_from(self, step: _Step, total: float) -> str | None:
+        rows = step.rows
+        if not rows or step.backward_at is None:
+            return None
+        forward = step.backward_at
+        backward = max(step.last_use - step.backward_at, 1e-9)
+        self._expected = tuple(r.nbytes for r in rows)
+        saves = tuple(
+            Save(
+                nbytes=0 if r.again else r.nbytes,
+                op=r.op,
+                module=r.module,
+                forward_s=r.saved_at,
+                use_s=(r.used_at if r.used_at is not None else backward),
+                rebuild_s=r.rebuild_s,
+                inputs=r.inputs,
+            )
+            for r in rows
+        )
+        waits = self._now_waits() - step.waits_at_start
+        write = self._writes.rate_since(step.written)
+        read = self._reads.rate_since(step.read)
+        profile = Profile(
+            saves=saves,
+            forward_s=forward,
+            backward_s=backward,
+            other_s=max(0.0, total - waits - forward - backward),
+            write_bytes_per_s=write or 1e9,
+            read_bytes_per_s=read or write or 1e9,
+            window_bytes=int(self._config.prefetch_bytes),
+            fixed_bytes=step.fixed_bytes,
+            shared_link=True,
+        )
+        return self._make(profile, "made")
+
+    def _make(self, profile: Profile, verb: str) -> str:
+        budget = budget_bytes(self.budget, profile.saved_bytes)
+        plan = self.plan = make_plan(profile, budget)
+        self.made += 1
+        if not plan.fits and not self._warned:
+            self._warned = True
+            self.warning = (
+                f"tierstore: activation_budget={self.budget!r} ({human_bytes(budget)}) is below "
+                f"the lowest this step can reach, {plan.floor_bytes} bytes "
+                f"({human_bytes(plan.floor_bytes)}); the step runs at that floor. Raise "
+                f"activation_budget ({ENV_PREFIX}ACTIVATION_BUDGET) to at least "
+                f"{plan.floor_bytes}"
+            )
+        by = plan.bytes_by_choice()
+        return (
+            f"tierstore: plan {verb} for activation_budget={self.budget!r} "
+            f"({human_bytes(budget)} of {human_bytes(profile.saved_bytes)} saved): "
+            f"keep {human_bytes(by['keep'])}, offload {human_bytes(by['offload'])}, "
+            f"rebuild {human_bytes(by['rebuild'])}; predicted step "
+            f"{plan.predicted_step_s:.3f} s, peak {human_bytes(plan.predicted_peak_bytes)}"
+        )
+
+    def _refit(self, measured: float) -> str | None:
+        """NOTE [ Planned steps ]: one correction of the cost of a moved byte."""
+        plan = self.plan
+        assert plan is not None
+        if self._refitted or measured <= 0:
+            return None
+        self._refitted = True
+        off = abs(measured - plan.predicted_step_s) / measured
+        moved = 2 * plan.bytes_by_choice()["offload"]
+        if off <= REFIT_TOLERANCE:
+            return None
+        profile = plan.profile
+        without = plan.predicted_step_s - profile.moved_s_per_byte * moved
+        if measured > plan.predicted_step_s and moved:
+            per_byte = (measured - without) / moved
+            return self._make(replace(profile, moved_s_per_byte=per_byte), "remade")
+        return self._make(_scaled(profile, measured / plan.predicted_step_s), "remade")
+
+
+def _scaled(profile: Profile, factor: float) -> Profile:
+    """``profile`` with every compute time times ``factor`` (NOTE [ Planned steps ])."""
+    saves = tuple(
+        replace(
+            s,
+            forward_s=s.forward_s * factor,
+            use_s=s.use_s * factor,
+            rebuild_s=None if s.rebuild_s is None else s.rebuild_s * factor,
+        )
+        for s in profile.saves
+    )
+    return replace(
+        profile,
+        saves=saves,
+        forward_s=profile.forward_s * factor,
+        backward_s=profile.backward_s * factor,
+        other_s=profile.other_s * factor,
+    )
