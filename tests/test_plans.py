@@ -1,0 +1,310 @@
+"""activation_budget on real steps (issue 21): profile, plan, follow, measure.
+
+Every step is checked against eager autograd, bitwise, on the same weights,
+tokens and dropout masks (each step reseeds the generator).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import tierstore
+from tierstore.bench.gpt import GPT, GPTConfig
+from tierstore.config import human_bytes
+from tierstore.recompute import Recipe
+
+from .conftest import assert_empty
+
+CONFIG = GPTConfig(vocab=64, d_model=64, heads=4, layers=3, seq=32, dropout=0.1)
+
+
+@pytest.fixture(params=["file", "lmdb"])
+def budget_store(
+    request: pytest.FixtureRequest, spill_root: Path
+) -> Iterator[Callable[..., tierstore.TierStore]]:
+    stores: list[tierstore.TierStore] = []
+
+    def make(budget: int | float | str, **settings: Any) -> tierstore.TierStore:
+        config = tierstore.TierConfig(
+            activation_budget=budget,
+            disk_path=spill_root,
+            disk_backend=request.param,
+            min_offload_bytes=0,
+            **settings,
+        )
+        stores.append(tierstore.TierStore(config))
+        return stores[-1]
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(CONFIG)
+
+
+def _step(model: GPT, step: int, seq: int = CONFIG.seq) -> list[torch.Tensor]:
+    """One forward and backward on this step's tokens and dropout masks; the gradients."""
+    torch.manual_seed(1000 + step)
+    tokens = torch.randint(0, CONFIG.vocab, (4, seq))
+    model.zero_grad(set_to_none=True)
+    model.loss(tokens).backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _run(
+    store: tierstore.TierStore | None,
+    steps: int,
+    seqs: list[int] | None = None,
+    wrap: Callable[[GPT, Callable[[], Any]], Any] | None = None,
+) -> list[list[torch.Tensor]]:
+    model = _model()
+    out = []
+    for step in range(steps):
+        seq = seqs[step] if seqs else CONFIG.seq
+        if store is None:
+            out.append(_step(model, step, seq))
+            continue
+        with store.offload():
+            grads = _step(model, step, seq) if wrap is None else wrap(model, lambda: None)
+        out.append(grads)
+    return out
+
+
+def _same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> None:
+    assert len(a) == len(b)
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert len(x) == len(y)
+        for i, (g, h) in enumerate(zip(x, y, strict=True)):
+            assert torch.equal(g, h), (step, i)
+
+
+# The backward of _step runs inside the offload() block in _run: a step ends
+# when the next block starts (NOTE [ Step log ]), which is what matters here.
+
+
+@pytest.mark.parametrize("budget", [0.05, 0.3, 0.6, 1.0, "64KiB"])
+def test_gradients_are_eager_bitwise_at_every_budget(
+    budget_store: Callable[..., tierstore.TierStore], budget: float | str
+) -> None:
+    store = budget_store(budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tierstore.TierstoreWarning)  # the floor: tested below
+        _same(_run(store, 6), _run(None, 6))
+    plan = store.plan()
+    assert plan is not None and plan.steps >= 2
+    assert_empty(store)
+
+
+def test_the_plan_arrives_at_the_third_step_and_explains_itself(
+    budget_store: Callable[..., tierstore.TierStore],
+) -> None:
+    store = budget_store(0.3)
+    model = _model()
+    seen = []
+    for step in range(6):
+        with store.offload():
+            _step(model, step)
+        seen.append(store.plan() is None)
+    assert seen == [True, True, False, False, False, False]
+    with store.offload():
+        pass  # the last step ends where the next block begins
+    plan = store.plan()
+    assert plan is not None
+    assert plan.budget_bytes == int(0.3 * plan.profile.saved_bytes)
+    assert plan.fits and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert plan.measured_step_s is not None and plan.measured_peak_bytes is not None
+    table = str(plan).splitlines()
+    assert table[0].split() == ["module", "kept", "offloaded", "rebuilt", "exposed"]
+    assert {"GPT.blocks.0", "GPT.blocks.1", "GPT.blocks.2"} <= {r.split()[0] for r in table[1:]}
+    assert table[-1].startswith("step: predicted ")
+    by = plan.bytes_by_choice()
+    assert sum(by.values()) == plan.profile.saved_bytes - plan.profile.fixed_bytes
+
+
+def test_saves_do_what_the_plan_says(budget_store: Callable[..., tierstore.TierStore]) -> None:
+    store = budget_store(0.2)
+    model = _model()
+    for step in range(3):
+        with store.offload():
+            _step(model, step)
+    packed: list[Any] = []
+    original = store._pack
+
+    def spy(t: torch.Tensor) -> Any:
+        out = original(t)
+        packed.append(out)
+        return out
+
+    store._pack = spy  # type: ignore[method-assign]
+    before = store.stats()
+    with store.offload():
+        plan = store.plan()  # made or remade as this step began
+        assert plan is not None
+        _step(model, 3)
+    offloadable = [p for p in packed if isinstance(p, (tierstore.handle.Handle, Recipe))]
+    assert len(offloadable) == len(plan.choices)
+    rebuilt = [type(p) is Recipe for p in offloadable]
+    assert rebuilt == [c == "rebuild" for c in plan.choices]
+    after = store.stats()
+    by = plan.bytes_by_choice()
+    assert after.recomputed_bytes - before.recomputed_bytes == by["rebuild"]
+
+
+def test_random_ops_are_never_rebuilt(budget_store: Callable[..., tierstore.TierStore]) -> None:
+    # Dropout's mask is saved by mul; the op that made it (native_dropout, or
+    # bernoulli) is random: recorded by no recorder, so never a recipe.
+    store = budget_store(0.0 + 1e-9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tierstore.TierstoreWarning)  # the floor: tested below
+        _same(_run(store, 4), _run(None, 4))
+    plan = store.plan()
+    assert plan is not None
+    for save, choice in zip(plan.profile.saves, plan.choices, strict=True):
+        if "dropout" in save.op or "bernoulli" in save.op:
+            assert choice != "rebuild"
+        if save.rebuild_s is None:
+            assert choice != "rebuild"
+
+
+def test_another_sequence_length_is_handled_safely_and_planned_again(
+    budget_store: Callable[..., tierstore.TierStore],
+) -> None:
+    store = budget_store(0.3)
+    seqs = [32, 32, 32, 32, 16, 16, 16, 16]
+    _same(_run(store, len(seqs), seqs), _run(None, len(seqs), seqs))
+    plan = store.plan()
+    assert plan is not None
+    assert plan.profile.saves[0].nbytes == 4 * 15 * 8  # the tokens: planned again, on seq 16
+
+
+def test_a_shorter_step_than_the_profile_leaves_the_plan(
+    budget_store: Callable[..., tierstore.TierStore],
+) -> None:
+    store = budget_store(0.3)
+    model = _model()
+    for step in range(3):
+        with store.offload():
+            _step(model, step)
+    assert store.plan() is not None
+    with store.offload():
+        _step(model, 3, seq=8)  # another size at the first save: the safe placement
+    with store.offload():
+        _step(model, 4)  # the deviation ended the plan: this step is profiled
+    assert store.plan() is None
+    with store.offload():
+        _step(model, 5)
+    assert store.plan() is not None
+
+
+def test_inside_user_checkpointing(budget_store: Callable[..., tierstore.TierStore]) -> None:
+    def checkpointed(model: GPT, step: int) -> list[torch.Tensor]:
+        torch.manual_seed(1000 + step)
+        tokens = torch.randint(0, CONFIG.vocab, (4, CONFIG.seq))
+        model.zero_grad(set_to_none=True)
+        originals = [b.forward for b in model.blocks]
+        for block, forward in zip(model.blocks, originals, strict=True):
+            block.forward = lambda x, _f=forward: checkpoint(_f, x, use_reentrant=False)
+        try:
+            model.loss(tokens).backward()
+        finally:
+            for block, forward in zip(model.blocks, originals, strict=True):
+                block.forward = forward
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    store = budget_store(0.3)
+    model, eager = _model(), _model()
+    for step in range(5):
+        with store.offload():
+            got = checkpointed(model, step)
+        _same([got], [checkpointed(eager, step)])
+    assert store.plan() is not None
+
+
+def test_keep_regions_stay_and_count_in_every_peak(
+    budget_store: Callable[..., tierstore.TierStore],
+) -> None:
+    def loss(model: GPT, tokens: torch.Tensor, keep_first: bool) -> torch.Tensor:
+        x = model.tok(tokens) + model.pos(torch.arange(tokens.shape[1]))
+        for i, block in enumerate(model.blocks):
+            with tierstore.keep() if keep_first and i == 0 else contextlib.nullcontext():
+                x = block(x)
+        return model.head(model.ln(x)).square().mean()
+
+    store = budget_store(0.3)
+    model, eager = _model(), _model()
+    for step in range(5):
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+        torch.manual_seed(1000 + step)
+        tokens = torch.randint(0, CONFIG.vocab, (4, CONFIG.seq))
+        with store.offload():
+            got = loss(model, tokens, keep_first=True)
+        got.backward()
+        torch.manual_seed(1000 + step)
+        tokens = torch.randint(0, CONFIG.vocab, (4, CONFIG.seq))
+        loss(eager, tokens, keep_first=False).backward()
+        for a, b in zip(model.parameters(), eager.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
+    plan = store.plan()
+    assert plan is not None
+    assert plan.profile.fixed_bytes > 0  # block 0's saves, kept as keep() asks
+    assert "GPT.blocks.0" not in {s.module for s in plan.profile.saves}
+
+
+def test_a_budget_below_the_floor_warns_once_with_the_floor(
+    budget_store: Callable[..., tierstore.TierStore],
+) -> None:
+    store = budget_store(1)  # one byte
+    model = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            with store.offload():
+                _step(model, step)
+    budget_warnings = [w for w in caught if issubclass(w.category, tierstore.TierstoreWarning)]
+    plan = store.plan()
+    assert plan is not None and not plan.fits
+    floor = plan.floor_bytes
+    assert [str(w.message) for w in budget_warnings] == [
+        f"tierstore: activation_budget=1 (1 B) is below the lowest this step can reach, "
+        f"{floor} bytes ({human_bytes(floor)}); the step runs at that floor. Raise "
+        f"activation_budget (TIERSTORE_ACTIVATION_BUDGET) to at least {floor}"
+    ]
+    assert budget_warnings[0].filename == __file__
+
+
+def test_one_info_line_per_plan(
+    budget_store: Callable[..., tierstore.TierStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    store = budget_store(0.3)
+    model = _model()
+    with caplog.at_level(logging.INFO, logger="tierstore"):
+        for step in range(5):
+            with store.offload():
+                _step(model, step)
+    lines = [r.getMessage() for r in caplog.records if "plan " in r.getMessage()]
+    assert 1 <= len(lines) <= 2  # made; remade once if the first planned step was off
+    assert lines[0].startswith("tierstore: plan made for activation_budget=0.3 (")
+    assert all("predicted step" in line for line in lines)
+
+
+def test_without_a_budget_there_is_no_plan(spill_root: Path) -> None:
+    with tierstore.TierStore(tierstore.TierConfig(disk_path=spill_root)) as store:
+        model = _model()
+        for step in range(3):
+            with store.offload():
+                _step(model, step)
+        assert store.plan() is None
+        assert store._manager.plans is None
