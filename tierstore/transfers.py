@@ -268,12 +268,14 @@ class Transfers:
             entry.let_go_of_original()
         self.reclaim()
 
-    def wait_oldest(self, unlocked: Callable[[Callable[[], object]], None]) -> None:
-        """Wait (through ``unlocked``, the manager's lock released) for the oldest D2H copy."""
-        ready = self._copying[0].ready if self._copying else None
-        if ready is not None:
-            unlocked(ready.synchronize)
-        self.settle()
+    def copies_over(self, cap_bytes: int) -> bool:
+        """Whether D2H copies still under way hold more than ``cap_bytes``; never waits.
+
+        What has landed was let go of by the last :meth:`settle` (an event
+        query each); NOTE [ Copies in flight ] in tierstore/store.py says what
+        the caller does instead of waiting.
+        """
+        return self.copying_bytes > cap_bytes
 
     # -- H2D ---------------------------------------------------------------------
 
