@@ -361,12 +361,11 @@ class ReadAhead:
 
     @staticmethod
     def _forget(ahead: concurrent.futures.Future[torch.Tensor] | DeviceCopy) -> None:
-        if isinstance(ahead, DeviceCopy):
-            # Its memory belongs to the consumer's stream: let that stream wait
-            # for the copy before the allocator may hand the memory out again.
-            Transfers.consume(ahead)
-        else:
-            ahead.cancel()  # a read has no side effect: dropping it is safe
+        # A copy's memory is the h2d stream's, which is done with it in
+        # stream order (NOTE [ Copies on CUDA ]): dropping it is safe. A read
+        # has no side effect: cancelling it is safe.
+        if not isinstance(ahead, DeviceCopy):
+            ahead.cancel()
 
     # -- lifetime ------------------------------------------------------------------
 
@@ -376,7 +375,7 @@ class ReadAhead:
         return reads + list(self._demand.values())
 
     def close(self) -> None:
-        """Wait for copies into device memory about to be freed; forget everything."""
+        """Wait for copies reading host memory about to be freed; forget everything."""
         for ahead, _ in self._window.values():
             if isinstance(ahead, DeviceCopy) and ahead.ready is not None:
                 ahead.ready.synchronize()
