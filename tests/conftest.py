@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import os
 import tempfile
@@ -15,6 +16,7 @@ import torch
 
 import tierstore
 from tierstore import hooks
+from tierstore.pipeline import Pipeline
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -177,3 +179,26 @@ class FailingBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("boom")
+
+
+def reads_done_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every read ends before submit_read returns: backward never waits for one.
+
+    A read ahead has then landed when backward asks, so the hit and miss
+    counts say what was read ahead, whatever the machine's load
+    (NOTE [ Hits ] in tierstore/readahead.py).
+    """
+    original = Pipeline.submit_read
+
+    def at_once(self: Pipeline, *args: Any) -> concurrent.futures.Future[torch.Tensor]:
+        future = original(self, *args)
+        concurrent.futures.wait([future])
+        return future
+
+    monkeypatch.setattr(Pipeline, "submit_read", at_once)
+
+
+@pytest.fixture
+def reads_land_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`reads_done_at_once` for the whole test."""
+    reads_done_at_once(monkeypatch)

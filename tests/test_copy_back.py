@@ -14,11 +14,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierstore import TierConfig
+from tierstore import TierConfig, readahead
 from tierstore.store import TierManager
-from tierstore.transfers import DeviceCopy
+from tierstore.transfers import DeviceCopy, HostCopy, Transfers
 
 GPU = torch.device("cuda", 0)
+
+
+class _Event:
+    """A CUDA event as the transfers see it: done when the test says so, or once waited on."""
+
+    def __init__(self) -> None:
+        self.done = self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = self.waited = True
 
 
 @pytest.fixture
@@ -102,3 +115,66 @@ def test_an_entry_prefetched_then_demoted_to_disk_reads_back(
     assert m._entries[ha.key].tier == "disk"
     assert ha.key not in m._reads
     assert torch.equal(m.get(ha), a)
+
+
+def test_forward_never_waits_on_a_copy_in_flight(
+    copies: list[int], closing: list[TierManager]
+) -> None:
+    # NOTE [ Copies in flight ]: D2H copies whose events have not completed.
+    m = _manager(copies, host_budget="1MiB", disk_budget=0, write_queue_bytes=8192)
+    closing.append(m)
+    events: list[_Event] = []
+
+    def fake_host_copy(span: torch.Tensor) -> HostCopy:
+        events.append(_Event())
+        return HostCopy(span.clone(), events[-1], None)  # type: ignore[arg-type]
+
+    m._transfers.host_copy = fake_host_copy  # type: ignore[method-assign]
+    saved = [torch.randn(1024) for _ in range(5)]  # 4 KiB each
+    handles = [m.put(t) for t in saved[:4]]
+    # 12 KiB under way, over write_queue_bytes: the fourth save stays on the device.
+    assert not any(event.waited for event in events)
+    tiers = m.stats().tiers
+    assert (tiers["device"].entries, tiers["device"].bytes, tiers["host"].entries) == (1, 4096, 3)
+    for event in events:
+        event.done = True
+    handles.append(m.put(saved[4]))  # the copies landed: the fourth goes down first
+    tiers = m.stats().tiers
+    assert (tiers["device"].entries, tiers["host"].entries) == (0, 5)
+    assert tiers["device"].peak_bytes == 4096
+    assert m._entries[handles[3].key].tier == "host"
+    for handle, t in zip(handles, saved, strict=True):
+        assert torch.equal(m.get(handle), t)
+
+
+def test_a_copy_back_still_under_way_is_a_stall_not_a_hit(
+    copies: list[int], closing: list[TierManager], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ Hits ]: the CUDA path judged by its copies' events, as the disk
+    # path is by its reads' futures.
+    # A window of two entries: the third copy goes out after the first unpack
+    # (copies that left as backward began never grow it).
+    monkeypatch.setattr(readahead, "_START_BYTES", 8192)
+    monkeypatch.setattr(readahead, "_MIN_BYTES", 4096)
+    m = _manager(copies, host_budget="1MiB", disk_budget=0, prefetch_bytes="64KiB")
+    closing.append(m)
+    events: list[_Event] = []
+
+    def fake_copy(span: torch.Tensor, device: torch.device, after: object = None) -> DeviceCopy:
+        events.append(_Event())
+        return DeviceCopy(span.clone(), events[-1])  # type: ignore[arg-type]
+
+    m._transfers.device_copy = fake_copy  # type: ignore[method-assign]
+    monkeypatch.setattr(Transfers, "consume", staticmethod(lambda copy: copy.tensor))
+    saved = [torch.randn(1024) for _ in range(3)]
+    handles = [m.put(t) for t in saved]
+    _as_if_on_gpu(m)
+    start = m.stats().prefetch_window_bytes
+    assert torch.equal(m.get(handles[2]), saved[2])  # the first unpack: copied on demand
+    assert len(events) == 2  # its own copy, then the next one, ahead
+    events[1].done = True
+    assert torch.equal(m.get(handles[1]), saved[1])  # landed: a hit
+    assert torch.equal(m.get(handles[0]), saved[0])  # still under way: a stall
+    stats = m.stats()
+    assert (stats.prefetch_hits, stats.prefetch_misses, stats.prefetch_stalls) == (1, 2, 1)
+    assert stats.prefetch_window_bytes == 2 * start

@@ -25,7 +25,7 @@ from tierstore.backends.file import FileBackend
 from tierstore.pipeline import Pipeline
 from tierstore.store import TierManager
 
-from .conftest import FailingBackward, buffers_in_use
+from .conftest import FailingBackward, buffers_in_use, reads_done_at_once
 
 MIB = 1 << 20
 
@@ -49,18 +49,6 @@ def small_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(readahead, "_MIN_BYTES", 64 << 10)
     monkeypatch.setattr(writebehind, "_START_BYTES", 128 << 10)
     monkeypatch.setattr(writebehind, "_MIN_BYTES", 64 << 10)
-
-
-def reads_done_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every read ends before submit_read returns: backward never waits for one."""
-    original = Pipeline.submit_read
-
-    def at_once(self: Pipeline, *args: Any) -> concurrent.futures.Future[torch.Tensor]:
-        future = original(self, *args)
-        concurrent.futures.wait([future])
-        return future
-
-    monkeypatch.setattr(Pipeline, "submit_read", at_once)
 
 
 def slow_reads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -505,3 +493,103 @@ def test_a_failed_read_takes_its_charge_back(
             loss.backward()
         del loss
         assert _outstanding(store._manager) == 0
+
+
+def test_backward_of_device_entries_reads_the_next_disk_entries_ahead(
+    spill_root: Path, reads_land_first: None
+) -> None:
+    # NOTE [ Prefetch ]: the newest two saves stay on the device tier; the
+    # unpacks of those top up the window, so the first disk entry is a hit.
+    x = torch.randn(16 * 1024, requires_grad=True)  # 64 KiB
+    with tierstore.TierStore(_config(spill_root, device_budget="128KiB")) as store:
+        with store.offload():
+            loss = _chain(x, 6)
+        store.flush()
+        placed = store.stats()
+        assert (placed.tiers["device"].entries, placed.tiers["disk"].entries) == (2, 4)
+        loss.backward()
+        stats = store.stats()
+        assert (stats.prefetch_hits, stats.prefetch_misses) == (4, 0)
+    expected = x.detach().clone().requires_grad_()
+    _chain(expected, 6).backward()
+    assert x.grad is not None and torch.equal(x.grad, expected.grad)
+
+
+def test_a_read_ahead_still_under_way_is_a_stall_not_a_hit(
+    spill_root: Path, small_limits: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ Hits ]: one read is held back until backward waits for it; the
+    # others land before backward asks.
+    m = TierManager(_config(spill_root, prefetch_bytes="8MiB", io_workers=4))
+    try:
+        saved = [torch.full((16 * 1024,), float(i)) for i in range(4)]  # 64 KiB each
+        handles = [m.put(t) for t in saved]
+        m.flush()
+        held = handles[1].key
+        gate = threading.Event()
+        held_reads: list[concurrent.futures.Future[torch.Tensor]] = []
+        load, submit_read, wait = FileBackend._load, Pipeline.submit_read, Pipeline.wait
+
+        def gated_load(self: FileBackend, key: int, *args: Any) -> None:
+            if key == held:
+                gate.wait(5)
+            load(self, key, *args)
+
+        def read(self: Pipeline, key: int, *args: Any) -> concurrent.futures.Future[torch.Tensor]:
+            future = submit_read(self, key, *args)
+            if key == held:
+                held_reads.append(future)
+            else:
+                concurrent.futures.wait([future])
+            return future
+
+        def wait_for(self: Pipeline, futures: Any) -> None:
+            futures = list(futures)
+            if any(f in futures for f in held_reads):
+                gate.set()  # the unpack has judged the read already: let it land
+            wait(self, futures)
+
+        monkeypatch.setattr(FileBackend, "_load", gated_load)
+        monkeypatch.setattr(Pipeline, "submit_read", read)
+        monkeypatch.setattr(Pipeline, "wait", wait_for)
+        start = m.stats().prefetch_window_bytes
+        for handle, t in zip(reversed(handles), reversed(saved), strict=True):
+            assert torch.equal(m.get(handle), t)
+        assert len(held_reads) == 1  # read ahead, at the unpack before its own
+        stats = m.stats()
+        # The first unpack is a miss that waits for nothing the window could
+        # have read; the held read is a miss and a stall, which grew the window.
+        assert (stats.prefetch_hits, stats.prefetch_misses, stats.prefetch_stalls) == (2, 2, 1)
+        assert stats.prefetch_window_bytes == 2 * start
+    finally:
+        m.close()
+
+
+def test_a_save_put_on_the_disk_tier_starts_its_write_at_once(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What the planner asks for (put(t, nbytes, tier)): a CPU tensor sent to
+    # the disk tier is queued at the save, with room on the device to spare.
+    started, gate = threading.Event(), threading.Event()
+    store = FileBackend._store
+
+    def gated(self: FileBackend, *args: Any) -> None:
+        started.set()
+        gate.wait(5)
+        store(self, *args)
+
+    monkeypatch.setattr(FileBackend, "_store", gated)
+    m = TierManager(_config(spill_root, device_budget="1MiB"))
+    try:
+        t = torch.randn(16 * 1024)
+        h = m.put(t, tier="disk")
+        assert started.wait(5)  # no flush, no later save: the write is under way
+        placed = m.stats()
+        assert (placed.tiers["device"].entries, placed.tiers["disk"].entries) == (0, 1)
+        gate.set()
+        m.flush()
+        assert m.stats().tiers["disk"].bytes_written >= t.numel() * t.element_size()
+        assert torch.equal(m.get(h), t)
+    finally:
+        gate.set()
+        m.close()

@@ -97,7 +97,10 @@ def test_tiny_queue_and_window_force_waits_and_misses(
     assert not threads & set(_io_threads())
 
 
-def test_prefetch_hits_from_the_second_step(spill_root: Path, slow_disk: None) -> None:
+def test_prefetch_hits_from_the_second_step(
+    spill_root: Path, slow_disk: None, reads_land_first: None
+) -> None:
+    # Reads land before backward asks: a miss is an entry the plan did not read ahead.
     model = _small_gpt()
     tokens = torch.randint(0, 64, (2, 17))
     expected = _gpt_step(model, tokens, None)
@@ -144,7 +147,10 @@ class _TwoBranches(nn.Module):
         return (self.a(x) * self.b(x)).sum()
 
 
-def test_unpack_order_other_than_reverse_pack_order(spill_root: Path, slow_disk: None) -> None:
+def test_unpack_order_other_than_reverse_pack_order(
+    spill_root: Path, slow_disk: None, reads_land_first: None
+) -> None:
+    # Reads land before backward asks: a miss is an entry the plan did not read ahead.
     torch.manual_seed(0)
     model = _TwoBranches()
     x = torch.randn(64, 32)

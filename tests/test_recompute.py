@@ -637,7 +637,8 @@ def test_a_rebuilt_tensor_lives_in_the_stores_pool_until_autograd_drops_it(
     assert torch.equal(w.grad, F.gelu(x).detach().t() @ torch.ones(256, 256))
 
 
-def test_the_schedule_prefetches_a_recipes_inputs(spill_root: Path) -> None:
+def test_the_schedule_prefetches_a_recipes_inputs(spill_root: Path, reads_land_first: None) -> None:
+    # Reads land before backward asks: a miss is an entry the plan did not read ahead.
     config = _cheap(_all_to_disk(spill_root, "file", "none"))
     model, x = _decoder(), _input()
     with tierstore.TierStore(config) as s:

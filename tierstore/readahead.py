@@ -43,11 +43,11 @@ __all__ = ["ReadAhead"]
 # the last step, else reverse pack order). Each get() tops up a window of
 # reads in flight, up to the window's limit (NOTE [ In-flight sizing ]), and
 # then waits, outside the lock, only for the entry it needs. A read of an
-# entry whose write is still under way is chained after that write. An entry
-# found in the window, still in memory, or already read for another handle
-# is a hit; one that must be read on demand is a miss. The first unpack of a
-# backward whose entries are all on disk is always a miss: nothing says when
-# forward has ended.
+# entry whose write is still under way is chained after that write. An
+# unpack of an entry that never left the device (or of a rebuilt tensor's
+# inputs, which come through get() too) tops up the window all the same
+# (passed()): otherwise the first host or disk entry after a run of device
+# entries was always a miss. Hits and misses: NOTE [ Hits ].
 #
 # What the window's limit bounds is memory backward holds from the store at
 # once, not only reads in flight: a read stays charged to it after backward
@@ -62,15 +62,27 @@ __all__ = ["ReadAhead"]
 # always has the next entry coming (none with prefetch_bytes=0, which turns
 # read-ahead off).
 
-# The window's size: NOTE [ In-flight sizing ] in tierstore/sizing.py. The
-# first unpack of a backward is not a stall of the window's making (nothing
-# could have read it ahead) and does not grow it; nor does a wait for any
-# read the first unpack's top-up sent out. Those reads left the moment
-# backward began, behind the writes forward had just queued, and a larger
-# window would only have queued more behind them. In bench train's GPT every
-# step after the first waited about 0.1 s at its third or fifth unpack, for
-# such a read, and nowhere else: counted as stalls, those waits kept the
-# window at prefetch_bytes, step after step.
+# NOTE [ Hits ]
+# A prefetch is a hit only if its bytes had landed when backward asked: the
+# read's future done (disk), the copy's event complete (CUDA: an event
+# query, which never blocks). An entry still in memory, or already read back
+# for another handle, is a hit too. Anything else is a miss: read or copied
+# on demand, or read ahead but not there yet. Counting a prefetch as a hit
+# when it was issued, as before, reported 93% hits over copies that backward
+# still waited for. One rule, arrived(), judges both the disk path and the
+# CUDA copies, so the CPU tests that drive the disk path check the rule the
+# GPU runs.
+# A miss whose bytes are not there is a stall, and a stall grows the window
+# (NOTE [ In-flight sizing ]), on CUDA as on disk: measured where the wait
+# happens, at the unpack, whether it is the host or the consumer's stream
+# that will wait. Except: the first unpack of a backward is not a stall of
+# the window's making (nothing could have read it ahead) and does not grow
+# it; nor does a wait for any read the first unpack's top-up sent out. Those
+# reads left the moment backward began, behind the writes forward had just
+# queued, and a larger window would only have queued more behind them. In
+# bench train's GPT every step after the first waited about 0.1 s at its
+# third or fifth unpack, for such a read, and nowhere else: counted as
+# stalls, those waits kept the window at prefetch_bytes, step after step.
 _START_BYTES = 16 << 20
 _MIN_BYTES = 4 << 20
 
@@ -211,10 +223,7 @@ class ReadAhead:
     # -- unpack --------------------------------------------------------------------
 
     def from_host(
-        self,
-        entry: Entry,
-        span: torch.Tensor,
-        layout: codec.Layout,
+        self, entry: Entry, span: torch.Tensor, layout: codec.Layout, *, first: bool
     ) -> torch.Tensor:
         """A host entry back on its CUDA device (NOTE [ Prefetch ])."""
         assert self._transfers is not None
@@ -224,18 +233,17 @@ class ReadAhead:
             if ahead is not None:
                 self._forget(ahead)
             self.hits += 1
-            self.top_up()
+            self._top_up_after(first)
             return cached
         if isinstance(ahead, DeviceCopy):
-            self.hits += 1
             copy = ahead
         else:
-            self.misses += 1
             copy = self._transfers.device_copy(span, entry.device, entry.ready)
+        self.arrived(entry, ahead=ahead is not None, landed=Transfers.done(copy.ready), first=first)
         # Remembered first, so that the top-up does not copy this entry again.
         out = codec.from_span(Transfers.consume(copy), layout)
         out = entry.remember(self.hold(out, entry.nbytes))
-        self.top_up()
+        self._top_up_after(first)
         return out
 
     def from_disk(
@@ -258,26 +266,53 @@ class ReadAhead:
             return self._restore(entry, Transfers.consume(copy))
         if ahead is not None:
             assert not isinstance(ahead, DeviceCopy)
-            self.hits += 1
             future = ahead
         else:
-            self.misses += 1
             source = entry.record if entry.record is not None else entry.writing
             assert source is not None
             future = self._read(entry, source)
             self._demand[entry.key] = future
+        self.arrived(entry, ahead=ahead is not None, landed=future.done(), first=first)
         if self._disk is not None:
             self._disk.read += entry.footprint
         # Held from now on (finish() ties it to the tensor), so that the
         # top-up below leaves room for it.
         self.held_bytes += entry.nbytes
-        if not future.done():
-            if first or entry.key in self._opening:
-                self.first_waits += 1
-            else:
-                self.limit.stalled()
         self._top_up_after(first)
         return future
+
+    def arrived(self, entry: Entry, *, ahead: bool, landed: bool, first: bool) -> None:
+        """Count an unpack that needed a read or a copy (NOTE [ Hits ]).
+
+        ``ahead``: it was read or copied ahead; ``landed``: its bytes were
+        there when backward asked; ``first``: the first unpack of a backward.
+
+        Example:
+            >>> import torch
+            >>> from tierstore import TierConfig
+            >>> from tierstore.entry import Entry
+            >>> from tierstore.readahead import ReadAhead
+            >>> from tierstore.schedule import Schedule
+            >>> ra = ReadAhead(TierConfig(prefetch_bytes="1GiB"), None, None, Schedule(), {})
+            >>> e = Entry(0, torch.zeros(2), 8)
+            >>> ra.arrived(e, ahead=True, landed=False, first=False)  # still on its way
+            >>> ra.hits, ra.misses, ra.limit.stalls, ra.limit.bytes
+            (0, 1, 1, 33554432)
+        """
+        if ahead and landed:
+            self.hits += 1
+            return
+        self.misses += 1
+        if landed:
+            return
+        if first or entry.key in self._opening:
+            self.first_waits += 1
+        else:
+            self.limit.stalled()
+
+    def passed(self, *, first: bool) -> None:
+        """Backward took an entry that never left the device: read ahead all the same."""
+        self._top_up_after(first)
 
     def _top_up_after(self, first: bool) -> None:
         self.top_up()
@@ -326,12 +361,11 @@ class ReadAhead:
 
     @staticmethod
     def _forget(ahead: concurrent.futures.Future[torch.Tensor] | DeviceCopy) -> None:
-        if isinstance(ahead, DeviceCopy):
-            # Its memory belongs to the consumer's stream: let that stream wait
-            # for the copy before the allocator may hand the memory out again.
-            Transfers.consume(ahead)
-        else:
-            ahead.cancel()  # a read has no side effect: dropping it is safe
+        # A copy's memory is the h2d stream's, which is done with it in
+        # stream order (NOTE [ Copies on CUDA ]): dropping it is safe. A read
+        # has no side effect: cancelling it is safe.
+        if not isinstance(ahead, DeviceCopy):
+            ahead.cancel()
 
     # -- lifetime ------------------------------------------------------------------
 
@@ -341,7 +375,7 @@ class ReadAhead:
         return reads + list(self._demand.values())
 
     def close(self) -> None:
-        """Wait for copies into device memory about to be freed; forget everything."""
+        """Wait for copies reading host memory about to be freed; forget everything."""
         for ahead, _ in self._window.values():
             if isinstance(ahead, DeviceCopy) and ahead.ready is not None:
                 ahead.ready.synchronize()

@@ -55,10 +55,12 @@ class Stats:
         kept: saves left on the device as they were (parameters, small
             tensors, ``tierstore.keep()``, ...).
         kept_bytes: bytes of those kept saves.
-        prefetch_hits: entries backward found read ahead: from disk (or
-            still in memory, their write not yet done), and on CUDA, host
-            entries already being copied back to the device.
-        prefetch_misses: entries backward had to read or copy on demand.
+        prefetch_hits: entries whose bytes were there when backward asked:
+            read ahead from disk and landed (or still in memory, their write
+            not yet done), and on CUDA, host entries whose copy back to the
+            device had completed (NOTE [ Hits ] in ``tierstore/readahead.py``).
+        prefetch_misses: entries backward had to read or copy on demand, or
+            that were read or copied ahead but had not landed yet.
         bytes_prefetched: bytes read or copied ahead of use.
         unpack_wait_s: seconds backward waited for disk reads (a CUDA copy
             is waited for by the stream, not the host: not counted).
@@ -80,8 +82,9 @@ class Stats:
         prefetch_window_bytes: bytes backward may read ahead now: the
             window learnt from stalls, at most ``prefetch_bytes``
             (NOTE [ In-flight sizing ] in ``tierstore/sizing.py``).
-        prefetch_stalls: unpacks that waited for a read (other than the
-            first of a backward), each of which grew the window.
+        prefetch_stalls: unpacks whose read or copy back had not landed
+            (other than the first of a backward and the reads it sent out),
+            each of which grew the window.
         write_queue_limit_bytes: bytes forward may queue for the disk now,
             learnt the same way, at most ``write_queue_bytes``.
         pack_waits: saves that found the queue over its limit and waited,

@@ -29,7 +29,6 @@ import concurrent.futures
 import contextlib
 import itertools
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -73,6 +72,20 @@ __all__ = ["TierManager", "resting_nbytes"]
 # describe the same store, and a fleet's TOML sizing host_budget for its GPU
 # nodes must not make a CPU run save nothing. device_budget is the setting
 # that keeps CPU tensors in RAM.
+
+# NOTE [ Copies in flight ]
+# Forward never blocks the CPU on a CUDA event: while it waits, it queues no
+# kernels, and the copies it waits for were meant to hide behind those. A
+# D2H copy's source stays on the device until the copy has read it, so the
+# bytes under way are bounded (by write_queue_bytes, as the disk queue is),
+# but by a query, not a wait: while copies over that bound are under way
+# (the events queried at each call, Transfers.settle), a new save stays on
+# the device tier, over device_budget if need be, as the newest entry. Once
+# the copies land, the next save first moves the device tier's oldest
+# entries down until it is within budget again or the copies are over the
+# bound once more; backward takes whatever is still on the device as it is.
+# The decision reads only byte counts: the CPU tests drive it with events
+# that report "not done".
 
 # NOTE [ Version check ]
 # Eager autograd raises at backward if a saved tensor was modified in place.
@@ -219,11 +232,14 @@ class TierManager:
                 self._step_started()
             if self.plans is not None:
                 self._follow_plan()
-            self._make_room_in_flight()
+            copies_over = self._make_room_in_flight()
             self.check_open()  # closed by another thread while this one waited
             size = resting_nbytes(t) if nbytes is None else nbytes
             entry = Entry(next(self._keys), t.detach(), size)
-            self._land(entry, 0 if tier is None else TIERS.index(tier))
+            if copies_over:  # NOTE [ Copies in flight ]
+                self._hold(entry, "device")
+            else:
+                self._land(entry, 0 if tier is None else TIERS.index(tier))
             self._tally(entry, size)
             self._entries[entry.key] = entry
             self._schedule.packed(entry.key, (dedupe_key[2], t.dtype))
@@ -302,13 +318,14 @@ class TierManager:
                 self._note_resident()
             if entry.tier == "device":
                 assert entry.tensor is not None
+                self._reads.passed(first=first)  # NOTE [ Prefetch ]
                 return entry.tensor
             if entry.tier == "host":
                 span, layout = entry.span()
                 self._tiers["host"].read += entry.nbytes
                 if span.device == entry.device:  # CPU: the host tier is the device's memory
                     return codec.from_span(span, layout, self._transfers.allocator(span.device))
-                return self._reads.from_host(entry, span, layout)
+                return self._reads.from_host(entry, span, layout, first=first)
             got = self._reads.from_disk(entry, first=first)
         if isinstance(got, torch.Tensor):
             return got
@@ -528,15 +545,22 @@ class TierManager:
         state.add(entry, reserve, written=False)  # NOTE [ Write-behind ]: counted when written
         self._writes.submit(entry)
 
-    def _make_room_in_flight(self) -> None:
-        """Backpressure before a new save: the write queue, and D2H copies on CUDA."""
+    def _make_room_in_flight(self) -> bool:
+        """Backpressure before a new save; whether D2H copies leave it on the device.
+
+        The write queue waits (NOTE [ Write-behind ]); D2H copies never do:
+        NOTE [ Copies in flight ].
+        """
         self._writes.make_room(self._unlocked)
-        # D2H copies too: their sources stay on the device until copied, so a
-        # forward that outruns PCIe would otherwise keep every one of them.
-        while self._transfers.copying_bytes > self._writes.limit.cap_bytes:
-            start = time.perf_counter()
-            self._transfers.wait_oldest(self._unlocked)
-            self._writes.pack_wait_s += time.perf_counter() - start
+        cap = self._writes.limit.cap_bytes
+        device = self._tiers["device"]
+        while not self._transfers.copies_over(cap):
+            oldest = device.oldest() if device.bytes > device.budget else None
+            if oldest is None:
+                return False
+            self._land(oldest, TIERS.index("host"))  # raises, leaving it in place, if full
+            device.remove(oldest, oldest.nbytes)
+        return True
 
     def _unlocked(self, wait: Callable[[], object]) -> None:
         """Run ``wait`` with the lock released (forward waiting on copies or writes)."""

@@ -44,14 +44,26 @@ __all__ = ["DeviceCopy", "HostCopy", "Transfers"]
 # (Entry.ready, Entry.source, Entry.probe), so the caching allocator cannot
 # hand its memory to a new tensor while the copy still reads it. A disk
 # write of the block first waits for the event on the I/O thread.
-# H2D (backward needs it back): the destination is allocated on the
-# consumer's stream, and the h2d stream waits on that stream before it writes
-# there, because the caching allocator hands the consumer's freed blocks out
-# in that stream's order; it also waits on the entry's D2H event if that copy
-# is still under way. The consumer's stream then waits on the H2D event
-# (DeviceCopy.ready): no host synchronisation anywhere, and no
-# record_stream. Prefetched copies are issued at earlier unpacks, so they run
-# on the h2d stream while the consumer computes.
+# H2D (backward needs it back): the destination is allocated on the h2d
+# stream, the stream that fills it, so the copy waits for nothing the
+# consumer has queued: only for the entry's D2H event if that copy is still
+# under way. The consumer's stream then waits on the H2D event
+# (DeviceCopy.ready; Transfers.consume): no host synchronisation anywhere.
+# Prefetched copies are issued at earlier unpacks, so they run on the h2d
+# stream while the consumer computes. (Allocated on the consumer's stream,
+# as before, the copy had to wait for everything queued there first: the
+# caching allocator hands the consumer's freed blocks out in that stream's
+# order. Read-ahead then ran no earlier than the compute it was to hide
+# behind.)
+# Lifetime: the caching allocator frees a block in the order of the stream
+# it was allocated on, and the consumer's uses of the tensor are on another
+# stream. An event does not suffice here: autograd hands our tensor on, and
+# a view of it can outlive everything we can observe (a gradient that is a
+# view of a saved tensor becomes .grad), so no callback of ours sees the
+# last use. consume() therefore calls record_stream(consumer): the one place
+# tierstore uses it, because the allocator honours it at the real free,
+# whenever that is. A copy dropped unconsumed needs nothing: its block goes
+# back to the h2d stream, which is done with it in stream order.
 # A pool block goes back only once every copy issued before the release, on
 # both copy streams, has completed (an event recorded on each at release).
 
@@ -268,12 +280,14 @@ class Transfers:
             entry.let_go_of_original()
         self.reclaim()
 
-    def wait_oldest(self, unlocked: Callable[[Callable[[], object]], None]) -> None:
-        """Wait (through ``unlocked``, the manager's lock released) for the oldest D2H copy."""
-        ready = self._copying[0].ready if self._copying else None
-        if ready is not None:
-            unlocked(ready.synchronize)
-        self.settle()
+    def copies_over(self, cap_bytes: int) -> bool:
+        """Whether D2H copies still under way hold more than ``cap_bytes``; never waits.
+
+        What has landed was let go of by the last :meth:`settle` (an event
+        query each); NOTE [ Copies in flight ] in tierstore/store.py says what
+        the caller does instead of waiting.
+        """
+        return self.copying_bytes > cap_bytes
 
     # -- H2D ---------------------------------------------------------------------
 
@@ -289,13 +303,12 @@ class Transfers:
         if device.type != "cuda":
             return DeviceCopy(span.to(device), None)
         streams = self._streams_of(device)
-        consumer = torch.cuda.current_stream(device)
         with torch.profiler.record_function("tierstore::h2d"):
-            out = torch.empty(span.shape, dtype=span.dtype, device=device)  # consumer's pool
-            streams.h2d.wait_stream(consumer)
             if after is not None:
                 streams.h2d.wait_event(after)
             with torch.cuda.stream(streams.h2d):
+                # On the stream that fills it (NOTE [ Copies on CUDA ]).
+                out = torch.empty(span.shape, dtype=span.dtype, device=device)
                 out.copy_(span, non_blocking=span.is_pinned())
                 ready = torch.cuda.Event()
                 ready.record(streams.h2d)
@@ -303,9 +316,15 @@ class Transfers:
 
     @staticmethod
     def consume(copy: DeviceCopy) -> torch.Tensor:
-        """The copied tensor, usable on the current stream (which waits for the copy)."""
+        """The copied tensor, usable on the current stream (which waits for the copy).
+
+        Its memory is the h2d stream's: the current stream's use is recorded
+        on it (NOTE [ Copies on CUDA ]).
+        """
         if copy.ready is not None:
-            torch.cuda.current_stream(copy.tensor.device).wait_event(copy.ready)
+            consumer = torch.cuda.current_stream(copy.tensor.device)  # at call time
+            consumer.wait_event(copy.ready)
+            copy.tensor.record_stream(consumer)
         return copy.tensor
 
     @staticmethod
