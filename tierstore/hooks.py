@@ -756,6 +756,7 @@ class TierStore:
                 module=_module_name(getattr(_local, "tracker", None)),
                 rebuild_s=cost,
                 input_keys=tuple(p.key for p in inputs if type(p) is Handle),
+                cuda=t.is_cuda,
             )
         return handle
 

@@ -282,6 +282,26 @@ class Pipeline:
                 self._backend = cls(self._config.disk_path, int(self._config.disk_budget))
             return self._backend
 
+    def io_cpu_s(self) -> float:
+        """CPU seconds the I/O threads have used (the event loop's and its workers').
+
+        On a CPU-only machine they share the cores with the step: the plan
+        charges them to the bytes moved (NOTE [ Planned steps ] in plans.py).
+        0.0 where the platform cannot tell.
+        """
+        threads = [self._thread] if self._thread is not None else []
+        executor = self._executor
+        if executor is not None:
+            threads += list(executor._threads)
+        total = 0.0
+        for thread in threads:
+            ident = thread.ident
+            if ident is None or not hasattr(time, "pthread_getcpuclockid"):
+                continue
+            with contextlib.suppress(OSError, ProcessLookupError):
+                total += time.clock_gettime(time.pthread_getcpuclockid(ident))
+        return total
+
     @property
     def backend_if_open(self) -> Backend[Any] | None:
         """The disk backend if something has opened it, else ``None``."""

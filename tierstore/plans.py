@@ -39,6 +39,10 @@ __all__ = ["PlanRunner", "budget_bytes"]
 #     branch, more saves) ends the plan for the rest of the step: the tier
 #     manager returns to the safe placement, counting what the plan kept so
 #     far, and the next step is profiled and planned again.
+# On a machine without an accelerator the disk I/O runs on the step's own
+# cores: the CPU time of the I/O threads in the profiled step is charged to
+# the bytes it moved (Profile.moved_s_per_byte) and taken out of the compute
+# it slowed down.
 # A step ends where the store sees the next step begin (NOTE [ Step log ] in
 # hooks.py): the first block after a backward. There the profile becomes a
 # plan, or the plan gets its measured time and peak beside the predicted.
@@ -89,6 +93,8 @@ class _Step:
     deviated: bool = False
     written: tuple[int, float] = (0, 0.0)
     read: tuple[int, float] = (0, 0.0)
+    io_cpu: float = 0.0  # the I/O threads' CPU seconds when the step began
+    cuda: bool = False  # a save was a CUDA tensor
 
 
 class PlanRunner:
@@ -115,6 +121,7 @@ class PlanRunner:
         writes: LinkClock,
         reads: LinkClock,
         waits: object,
+        io_cpu: object = None,
     ) -> None:
         assert config.activation_budget is not None
         self.budget = config.activation_budget
@@ -122,6 +129,7 @@ class PlanRunner:
         self._writes = writes
         self._reads = reads
         self._waits = waits  # () -> float
+        self._io_cpu = io_cpu  # () -> float: the I/O threads' CPU seconds
         self.plan: Plan | None = None
         self._expected: tuple[int, ...] = ()  # each save's bytes in the profile
         self._step: _Step | None = None
@@ -168,6 +176,7 @@ class PlanRunner:
         step = _Step(time.perf_counter(), profiling, waits_at_start=self._now_waits())
         step.written = self._writes.snapshot()
         step.read = self._reads.snapshot()
+        step.io_cpu = self._io_cpu() if callable(self._io_cpu) else 0.0
         self._step = step
         return step
 
@@ -211,6 +220,7 @@ class PlanRunner:
         module: str,
         rebuild_s: float | None,
         input_keys: tuple[int, ...],
+        cuda: bool = False,
     ) -> None:
         """Write down a save of a profiled step (``key``: its entry's).
 
@@ -219,6 +229,7 @@ class PlanRunner:
         """
         step = self._step
         assert step is not None and step.profiling
+        step.cuda = step.cuda or cuda
         inputs = tuple(step.row_of_key[k] for k in input_keys if k in step.row_of_key)
         again = key in step.row_of_key
         if not again:
@@ -287,6 +298,21 @@ class PlanRunner:
         waits = self._now_waits() - step.waits_at_start
         write = self._writes.rate_since(step.written)
         read = self._reads.rate_since(step.read)
+        moved = (
+            self._writes.snapshot()[0] - step.written[0] + self._reads.snapshot()[0] - step.read[0]
+        )
+        io_cpu = (self._io_cpu() if callable(self._io_cpu) else 0.0) - step.io_cpu
+        per_byte = 0.0
+        if not step.cuda and moved and io_cpu > 0:
+            # A CPU's own cores did the I/O: charge it to the bytes, and take it
+            # out of the compute it slowed down (NOTE [ Planned steps ]).
+            per_byte = io_cpu / moved
+            compute = forward + backward
+            factor = max(0.5, (compute - min(io_cpu, compute)) / compute)
+            saves = tuple(
+                replace(s, forward_s=s.forward_s * factor, use_s=s.use_s * factor) for s in saves
+            )
+            forward, backward = forward * factor, backward * factor
         profile = Profile(
             saves=saves,
             forward_s=forward,
@@ -296,7 +322,8 @@ class PlanRunner:
             read_bytes_per_s=read or write or 1e9,
             window_bytes=int(self._config.prefetch_bytes),
             fixed_bytes=step.fixed_bytes,
-            shared_link=True,
+            moved_s_per_byte=per_byte,
+            shared_link=not step.cuda,
         )
         return self._make(profile, "made")
 

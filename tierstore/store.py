@@ -192,6 +192,7 @@ class TierManager:
                 self._pipeline.write_clock,
                 self._pipeline.read_clock,
                 lambda: self._writes.pack_wait_s + self._reads.unpack_wait_s,
+                self._pipeline.io_cpu_s,
             )
         self._resident_peak = 0
 
