@@ -158,8 +158,10 @@ def test_saves_do_what_the_plan_says(budget_store: Callable[..., tierstore.TierS
     rebuilt = [type(p) is Recipe for p in offloadable]
     assert rebuilt == [c == "rebuild" for c in plan.choices]
     after = store.stats()
-    by = plan.bytes_by_choice()
-    assert after.recomputed_bytes - before.recomputed_bytes == by["rebuild"]
+    rebuilt_bytes = sum(p.nbytes for p in offloadable if type(p) is Recipe)
+    assert after.recomputed_bytes - before.recomputed_bytes == rebuilt_bytes
+    # A tensor saved twice rests once: the profile gives its second save no bytes.
+    assert rebuilt_bytes >= plan.bytes_by_choice()["rebuild"]
 
 
 def test_random_ops_are_never_rebuilt(budget_store: Callable[..., tierstore.TierStore]) -> None:
