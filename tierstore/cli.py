@@ -1,4 +1,4 @@
-"""The ``tierstore`` command: ``demo``, ``config`` and ``bench storage|train``.
+"""The ``tierstore`` command: ``demo``, ``config`` and ``bench``.
 
 Example:
     >>> from tierstore.cli import main
@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
+from pydantic import ByteSize
 
-from tierstore.bench.cli import add_bench_parser
+from tierstore.bench.cli import add_bench_parser, summary
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.bench.scratch import removed_on_sigterm, scratch_dir
 from tierstore.bench.train import TrainSettings, bench_train
@@ -154,9 +155,19 @@ def config(args: argparse.Namespace) -> int:
     rows = describe_config()
     print(f"{'setting':<18} {'value':<24} source")
     for name, value, origin in rows:
-        shown = human_bytes(int(value)) if name.endswith(("_budget", "_bytes")) else str(value)
-        print(f"{name:<18} {shown:<24} {origin.describe()}")
+        print(f"{name:<18} {_shown(name, value):<24} {origin.describe()}")
     return 0
+
+
+def _shown(name: str, value: object) -> str:
+    """A setting's value in the units a user writes it in: sizes by their type, not their name."""
+    if value is None:
+        return "none"  # what TIERSTORE_ACTIVATION_BUDGET=none reads as
+    is_size = TierConfig.model_fields[name].annotation is ByteSize
+    # activation_budget: an int is bytes, a float a fraction of the step's saved bytes.
+    if is_size or (name == "activation_budget" and type(value) is int):
+        return human_bytes(int(value))  # type: ignore[call-overload]
+    return str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         >>> build_parser().parse_args(["bench", "storage", "--total", "1GiB"]).total
         '1GiB'
     """
-    parser = argparse.ArgumentParser(prog="tierstore", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tierstore", description=summary(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="one training step with every activation on disk")
     p.add_argument("--layers", type=int, default=4)

@@ -1,0 +1,66 @@
+"""The ``tierstore`` command reads like a command line: help, config, the demo's last lines."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tierstore.cli import build_parser, main
+
+
+def _parsers(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()) -> dict[str, str]:
+    """``tierstore ... --help`` of every command and subcommand, by its words."""
+    out = {" ".join(("tierstore", *words)): parser.format_help()}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out.update(_parsers(sub, (*words, name)))
+    return out
+
+
+def test_help_has_no_restructuredtext_markup() -> None:
+    helps = _parsers(build_parser())
+    assert {"tierstore", "tierstore bench", "tierstore bench train"} <= set(helps)
+    for command, text in helps.items():
+        assert "``" not in text, f"{command} --help:\n{text}"
+        assert ":func:" not in text and ":mod:" not in text, f"{command} --help:\n{text}"
+
+
+def test_help_describes_each_bench_command_in_plain_words() -> None:
+    helps = _parsers(build_parser())
+    assert "tierstore bench storage: disk backends against the baselines" in (
+        helps["tierstore bench storage"].replace("\n", " ")
+    )
+
+
+def _config_rows(capsys: pytest.CaptureFixture[str]) -> dict[str, tuple[str, str]]:
+    assert main(["config"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["setting", "value", "source"]
+    return {line[:18].strip(): (line[19:43].strip(), line[44:]) for line in lines[1:]}
+
+
+def test_config_shows_every_size_in_units(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIERSTORE_HOST_POOL_STEP", "128MiB")
+    rows = _config_rows(capsys)
+    assert rows["host_pool_step"] == (
+        "128.0 MiB",
+        "environment variable TIERSTORE_HOST_POOL_STEP",
+    )
+    assert rows["prefetch_bytes"][0] == "256.0 MiB"
+    assert rows["io_workers"][0] == "4"
+
+
+@pytest.mark.parametrize(("value", "shown"), [(None, "none"), ("6GiB", "6.0 GiB"), ("30%", "0.3")])
+def test_config_shows_activation_budget(
+    value: str | None,
+    shown: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if value is not None:
+        monkeypatch.setenv("TIERSTORE_ACTIVATION_BUDGET", value)
+    assert _config_rows(capsys)["activation_budget"][0] == shown
