@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 
 import pytest
 
 from tierstore.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _parsers(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()) -> dict[str, str]:
@@ -64,3 +68,35 @@ def test_config_shows_activation_budget(
     if value is not None:
         monkeypatch.setenv("TIERSTORE_ACTIVATION_BUDGET", value)
     assert _config_rows(capsys)["activation_budget"][0] == shown
+
+
+def _recipe(target: str) -> list[str]:
+    """The command lines of a Makefile target."""
+    lines = (ROOT / "Makefile").read_text().splitlines()
+    start = lines.index(next(line for line in lines if line.startswith(f"{target}:")))
+    recipe = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("\t"):
+            break
+        recipe.append(line.strip())
+    return recipe
+
+
+def test_make_demo_runs_the_demo_and_no_benchmark_targets() -> None:
+    # NOTE [ Demo output ]: make demo's last lines are the demo's.
+    assert _recipe("demo") == ["$(BIN)/tierstore demo"]
+
+
+def test_demo_ends_on_its_result(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--layers", "1", "--d-model", "32", "--seq", "16", "--batch", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-4] == "result:"
+    assert lines[-3].startswith("  peak RSS above the model's own, as top shows it (")
+    assert re.fullmatch(r"  .*: eager \S+ \S+, all on disk \S+ \S+ \(\d+\.\d\dx\)", lines[-3])
+    assert re.fullmatch(
+        r"  step time after one warm-up step: eager \d+\.\d\d s, all on disk \d+\.\d\d s",
+        lines[-2],
+    )
+    assert lines[-1] == "  gradients: bitwise equal to eager (max |grad diff| = 0)"
+    for line in lines:
+        assert not re.search(r"MISSED|NOT EQUAL|fail|error", line, re.I), line
