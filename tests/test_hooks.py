@@ -351,6 +351,16 @@ def test_buffer_replaced_by_module_to_stays(disk_store: tierstore.TierStore) -> 
     out.sum().backward()
 
 
+def test_an_unhashable_module_still_registers_its_buffers() -> None:
+    class Unhashable(nn.Module):  # noqa: PLW1641 (what the test is about)
+        def __eq__(self, other: object) -> bool:  # and so no __hash__
+            return self is other
+
+    module = Unhashable()
+    module.register_buffer("scale", torch.ones(2))
+    assert torch.equal(module.scale, torch.ones(2))
+
+
 def test_offload_module_watches_buffers_it_never_saw_registered(
     disk_store: tierstore.TierStore,
 ) -> None:

@@ -118,16 +118,24 @@ class _BufferWatch:
         if torch.compiler.is_compiling():
             return
         with self._lock:
-            self._modules.add(module)
+            self._add(module)
             if self._users and isinstance(buffer, torch.Tensor):
                 self.storages.add(buffer.untyped_storage())
 
     def watch(self, module: torch.nn.Module) -> None:
         """Watch ``module`` and its submodules, whenever their buffers were registered."""
         with self._lock:
-            self._modules.update(m for m in module.modules() if m._buffers)
+            for m in module.modules():
+                if m._buffers:
+                    self._add(m)
             if self._users:
                 self._note_all()
+
+    def _add(self, module: torch.nn.Module) -> None:
+        # A module class with __eq__ and no __hash__: its buffers go unseen (a
+        # wasted copy if saved); a user's register_buffer must not fail.
+        with contextlib.suppress(TypeError):
+            self._modules.add(module)
 
     def use(self, delta: int) -> None:
         with self._lock:
