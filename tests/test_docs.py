@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,22 @@ def test_recipes_python_blocks_run() -> None:
     assert len(blocks) >= 4
     for block in blocks:
         exec(compile(block, "docs/recipes.md", "exec"), {})
+
+
+def test_compile_recipe_runs_without_a_warning_tierstore_causes() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "recipes.md").read_text(), re.S)
+    (block,) = [b for b in blocks if "torch.compile(" in b]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(block, "docs/recipes.md", "exec"), {})
+    package = str(ROOT / "tierstore")
+    # torch.compile(module) blames the caller for global module hooks: tierstore must have none.
+    ours = [
+        f"{w.filename}:{w.lineno}: {w.message}"
+        for w in caught
+        if w.filename.startswith(package) or "global hooks" in str(w.message)
+    ]
+    assert ours == []
 
 
 def test_readme_starts_with_the_two_commands() -> None:

@@ -330,6 +330,56 @@ def test_parameters_and_buffer_views_stay(disk_store: tierstore.TierStore) -> No
     out.sum().backward()
 
 
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.register_buffer("scale", torch.rand(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale  # saved by mul
+
+
+def test_buffer_replaced_by_module_to_stays(disk_store: tierstore.TierStore) -> None:
+    # NOTE [ Buffer watch ]: Module.to() swaps the buffer without registering it.
+    model = _Scaled().to(torch.float64)
+    with disk_store.offload():
+        out = model(torch.randn(32, 64, dtype=torch.float64, requires_grad=True))
+    stats = disk_store.stats()
+    assert (stats.packed, stats.kept) == (3, 2)  # x offloaded; weight.t() and scale kept
+    assert stats.kept_bytes == (64 * 64 + 64) * 8
+    out.sum().backward()
+
+
+def test_an_unhashable_module_still_registers_its_buffers() -> None:
+    class Unhashable(nn.Module):  # noqa: PLW1641 (what the test is about)
+        def __eq__(self, other: object) -> bool:  # and so no __hash__
+            return self is other
+
+    module = Unhashable()
+    module.register_buffer("scale", torch.ones(2))
+    assert torch.equal(module.scale, torch.ones(2))
+
+
+def test_offload_module_watches_buffers_it_never_saw_registered(
+    disk_store: tierstore.TierStore,
+) -> None:
+    class Unseen(_Scaled):
+        def __init__(self) -> None:
+            nn.Module.__init__(self)
+            self.lin = nn.Linear(64, 64)
+            # As if registered before tierstore was imported: its hook never saw it.
+            self._buffers["scale"] = torch.rand(64)
+
+    model = Unseen()
+    handle = tierstore.offload_module(model, store=disk_store)
+    out = model(torch.randn(32, 64, requires_grad=True))
+    stats = disk_store.stats()
+    assert (stats.packed, stats.kept, stats.kept_bytes) == (3, 2, (64 * 64 + 64) * 4)
+    out.sum().backward()
+    handle.remove()
+
+
 # -- in-place modification ---------------------------------------------------------
 
 TIER_CONFIGS = {

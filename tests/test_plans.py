@@ -183,7 +183,7 @@ def test_random_ops_are_never_rebuilt(budget_store: Callable[..., tierstore.Tier
 def test_another_sequence_length_is_handled_safely_and_planned_again(
     budget_store: Callable[..., tierstore.TierStore],
 ) -> None:
-    store = budget_store(0.3)
+    store = budget_store(0.6)
     seqs = [32, 32, 32, 32, 16, 16, 16, 16]
     _same(_run(store, len(seqs), seqs), _run(None, len(seqs), seqs))
     plan = store.plan()
@@ -194,7 +194,7 @@ def test_another_sequence_length_is_handled_safely_and_planned_again(
 def test_a_shorter_step_than_the_profile_leaves_the_plan(
     budget_store: Callable[..., tierstore.TierStore],
 ) -> None:
-    store = budget_store(0.3)
+    store = budget_store(0.6)
     model = _model()
     for step in range(3):
         with store.offload():
@@ -225,7 +225,7 @@ def test_inside_user_checkpointing(budget_store: Callable[..., tierstore.TierSto
                 block.forward = forward
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    store = budget_store(0.3)
+    store = budget_store(0.6)
     model, eager = _model(), _model()
     for step in range(5):
         with store.offload():
@@ -244,7 +244,7 @@ def test_keep_regions_stay_and_count_in_every_peak(
                 x = block(x)
         return model.head(model.ln(x)).square().mean()
 
-    store = budget_store(0.3)
+    store = budget_store(0.6)
     model, eager = _model(), _model()
     for step in range(5):
         for m in (model, eager):
@@ -294,7 +294,7 @@ def test_a_budget_below_the_floor_warns_once_with_the_floor(
 def test_one_info_line_per_plan(
     budget_store: Callable[..., tierstore.TierStore], caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = budget_store(0.3)
+    store = budget_store(0.6)
     model = _model()
     with caplog.at_level(logging.INFO, logger="tierstore"):
         for step in range(5):
@@ -302,7 +302,7 @@ def test_one_info_line_per_plan(
                 _step(model, step)
     lines = [r.getMessage() for r in caplog.records if "plan " in r.getMessage()]
     assert 1 <= len(lines) <= 2  # made; remade once if the first planned step was off
-    assert lines[0].startswith("tierstore: plan made for activation_budget=0.3 (")
+    assert lines[0].startswith("tierstore: plan made for activation_budget=0.6 (")
     assert all("predicted step" in line for line in lines)
 
 

@@ -1,4 +1,4 @@
-"""The ``tierstore`` command: ``demo``, ``config`` and ``bench storage|train``.
+"""The ``tierstore`` command: ``demo``, ``config`` and ``bench``.
 
 Example:
     >>> from tierstore.cli import main
@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
+from pydantic import ByteSize
 
-from tierstore.bench.cli import add_bench_parser
+from tierstore.bench.cli import add_bench_parser, summary
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.bench.scratch import removed_on_sigterm, scratch_dir
 from tierstore.bench.train import TrainSettings, bench_train
@@ -88,14 +89,17 @@ def demo(args: argparse.Namespace) -> int:
         f"compression={args.compression}, spill under a private temp dir"
     )
     print()
-    print(f"{'tier':>6} {'after forward':>14} {'peak':>12} {'after backward':>15} {'moved':>12}")
+    print(
+        f"{'tier':>6} {'after forward':>14} {'peak':>12} {'after backward':>15} {'copied in':>12}"
+    )
     for tier in TIERS:
         f = after_forward.tiers[tier]
         b = after_backward.tiers[tier]
+        # Nothing is copied to the device tier: its bytes_written are bytes left in place.
+        moved = b.bytes_written - before.tiers[tier].bytes_written
         print(
             f"{tier:>6} {human_bytes(f.bytes):>14} {human_bytes(b.peak_bytes):>12} "
-            f"{human_bytes(b.bytes):>15} "
-            f"{human_bytes(b.bytes_written - before.tiers[tier].bytes_written):>12}"
+            f"{human_bytes(b.bytes):>15} {'-' if tier == 'device' else human_bytes(moved):>12}"
         )
     packed = after_backward.packed - before.packed
     dedup = after_backward.deduplicated - before.deduplicated
@@ -109,13 +113,32 @@ def demo(args: argparse.Namespace) -> int:
     misses = after_backward.prefetch_misses - before.prefetch_misses
     rate = hits / (hits + misses) if hits + misses else None
     print(
-        f"step time after one warm-up step: eager {eager_s:.2f} s, all on disk {offload_s:.2f} s; "
         f"prefetch hit rate {'n/a' if rate is None else f'{rate:.0%}'}, "
         f"backward waited {after_backward.unpack_wait_s - before.unpack_wait_s:.2f} s for reads"
     )
-    print(f"max |grad diff| = {diff:g} ({'bitwise equal' if equal else 'NOT EQUAL'})")
-    print(_peak_rss_line(args, cfg))
+    rss = _peak_rss_line(args, cfg)
+    # NOTE [ Demo output ]
+    print(
+        "benchmarks at the sizes their targets are for: tierstore bench train, "
+        "tierstore bench storage (benchmarks/README.md)"
+    )
+    print()
+    print("result:")
+    print(f"  {rss}")
+    print(
+        f"  step time after one warm-up step: eager {eager_s:.2f} s, all on disk {offload_s:.2f} s"
+    )
+    verdict = "bitwise equal to eager" if equal else "NOT EQUAL to eager"
+    print(f"  gradients: {verdict} (max |grad diff| = {diff:g})")
     return 0 if equal else 1
+
+
+# NOTE [ Demo output ]
+# `make demo` is a newcomer's first command: it ends on what they came for,
+# peak memory with and without offload, step time, gradients equal to
+# eager's, under one "result:" heading, and nothing after it. Checks against
+# the issues' targets are the benchmarks' business (their own commands, on
+# models of the size the targets are for); the demo names them and runs none.
 
 
 def _peak_rss_line(args: argparse.Namespace, cfg: GPTConfig) -> str:
@@ -154,10 +177,19 @@ def config(args: argparse.Namespace) -> int:
     rows = describe_config()
     print(f"{'setting':<18} {'value':<24} source")
     for name, value, origin in rows:
-        sized = isinstance(value, int) and name.endswith(("_budget", "_bytes"))
-        shown = human_bytes(value) if sized else str(value)
-        print(f"{name:<18} {shown:<24} {origin.describe()}")
+        print(f"{name:<18} {_shown(name, value):<24} {origin.describe()}")
     return 0
+
+
+def _shown(name: str, value: object) -> str:
+    """A setting's value in the units a user writes it in: sizes by their type, not their name."""
+    if value is None:
+        return "none"  # what TIERSTORE_ACTIVATION_BUDGET=none reads as
+    is_size = TierConfig.model_fields[name].annotation is ByteSize
+    # activation_budget: an int is bytes, a float a fraction of the step's saved bytes.
+    if is_size or (name == "activation_budget" and type(value) is int):
+        return human_bytes(int(value))  # type: ignore[call-overload]
+    return str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         >>> build_parser().parse_args(["bench", "storage", "--total", "1GiB"]).total
         '1GiB'
     """
-    parser = argparse.ArgumentParser(prog="tierstore", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tierstore", description=summary(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="one training step with every activation on disk")
     p.add_argument("--layers", type=int, default=4)
@@ -193,8 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["demo", "--layers", "1", "--d-model", "32", "--seq", "16", "--batch", "2"])
         ... # doctest: +ELLIPSIS
         tierstore demo: ...
-        max |grad diff| = 0 (bitwise equal)
-        peak RSS above the model's own, as top shows it ...
+        result:
+          peak RSS above the model's own, as top shows it ...
+          step time after one warm-up step: eager ... s, all on disk ... s
+          gradients: bitwise equal to eager (max |grad diff| = 0)
         0
     """
     parser = build_parser()

@@ -67,11 +67,25 @@ log = logging.getLogger("tierstore")
 #     byte copy would lose;
 #   * everything saved inside tierstore.keep() (tier="device", the default).
 # Buffers cannot be told from inputs by looking at a tensor (register_buffer
-# stores a plain tensor), so while an offload() context is active a global
-# module forward pre-hook notes the storages of the buffers of each module
-# that runs; pack looks a saved tensor's storage up there. Not seen: buffers
-# saved by a torch.compile'd graph (module hooks run while Dynamo traces, not
-# when the graph runs), which are offloaded: a wasted copy, exact gradients.
+# stores a plain tensor), so see NOTE [ Buffer watch ].
+
+# NOTE [ Buffer watch ]
+# A global buffer-registration hook, installed when tierstore is imported,
+# keeps a weak set of the modules that register a buffer (torch calls it from
+# register_buffer and from assigning to a buffer attribute). When the first
+# offload() block opens, the storages of those modules' buffers, as they are
+# then, are noted (Module.to() and .cuda() replace buffers without
+# registering them); pack looks a saved tensor's storage up there, and the
+# notes are dropped when the last block closes. A buffer registered while a
+# block is open (a cache grown in forward) is noted at once. This sees the
+# buffers a torch.compile'd graph saves, too: the graph runs on the real ones.
+# Not a global forward hook, which noted the buffers of each module that ran:
+# torch.compile(module) warns at every call while any global forward hook
+# exists (in the user's code, for a hook that is ours), and Dynamo inlines
+# such a hook into every module call it traces. Not seen: buffers of modules
+# built before tierstore was imported, unless offload_module() wraps them (it
+# watches its module's tree); saved, they are offloaded: a wasted copy, exact
+# gradients.
 
 # NOTE [ Version check ]
 # Eager autograd raises if a saved tensor was modified in place before
@@ -100,39 +114,55 @@ _local = threading.local()
 
 
 class _BufferWatch:
-    """Notes module buffers while any offload() context is active (NOTE [ What stays ... ])."""
+    """Storages of module buffers while any offload() block is open (NOTE [ Buffer watch ])."""
 
     def __init__(self) -> None:
         self.storages: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._lock = threading.Lock()
-        self._hook: Any = None
         self._users = 0
 
-    def _note(self, module: torch.nn.Module, args: Any) -> None:
-        # is_compiling() first: under Dynamo this hook is inlined into every
-        # module call, and the check must fold to a constant before anything
-        # (the thread-local) would need tracing.
-        if torch.compiler.is_compiling() or not getattr(_local, "active", 0):
+    def registered(self, module: torch.nn.Module, name: str, buffer: Any) -> None:
+        """The buffer-registration hook: returns None, so torch keeps the buffer as given."""
+        if torch.compiler.is_compiling():
             return
-        for buf in module._buffers.values():
-            if buf is not None:
-                self.storages.add(buf.untyped_storage())
+        with self._lock:
+            self._add(module)
+            if self._users and isinstance(buffer, torch.Tensor):
+                self.storages.add(buffer.untyped_storage())
+
+    def watch(self, module: torch.nn.Module) -> None:
+        """Watch ``module`` and its submodules, whenever their buffers were registered."""
+        with self._lock:
+            for m in module.modules():
+                if m._buffers:
+                    self._add(m)
+            if self._users:
+                self._note_all()
+
+    def _add(self, module: torch.nn.Module) -> None:
+        # A module class with __eq__ and no __hash__: its buffers go unseen (a
+        # wasted copy if saved); a user's register_buffer must not fail.
+        with contextlib.suppress(TypeError):
+            self._modules.add(module)
 
     def use(self, delta: int) -> None:
         with self._lock:
             self._users += delta
-            if self._users and self._hook is None:
-                # Registered once and kept: Dynamo guards on the global hooks'
-                # keys, so a hook re-registered at every offload() entry would
-                # make a compiled model recompile every step. When no offload()
-                # is active it returns at once.
-                register = torch.nn.modules.module.register_module_forward_pre_hook
-                self._hook = register(self._note)
+            if delta > 0 and self._users == delta:  # the first block opens
+                self._note_all()
             elif not self._users:
                 self.storages.clear()
 
+    def _note_all(self) -> None:
+        for module in list(self._modules):
+            for buf in module._buffers.values():
+                if isinstance(buf, torch.Tensor):
+                    self.storages.add(buf.untyped_storage())
+
 
 _buffers = _BufferWatch()
+torch.nn.modules.module.register_module_buffer_registration_hook(_buffers.registered)
 
 
 def _requested_tier() -> Tier | None:
@@ -877,9 +907,9 @@ def _resolved(config: object, overrides: dict[str, Any], where: str) -> TierConf
 # hooks. Backward runs wherever the caller runs it: outside the block. The
 # block stack is per thread (DataParallel runs replicas in threads) and gets a
 # placeholder before the block is entered, so a failed entry leaves nothing
-# for the forward hook to pop but its own placeholder. The global pre-hook of
-# _BufferWatch ran before ours, while no offload was active: the module's own
-# buffers are noted here instead.
+# for the forward hook to pop but its own placeholder. The module's tree is
+# watched for buffers (NOTE [ Buffer watch ]) in case it was built before
+# tierstore was imported.
 
 
 class _OffloadModule:
@@ -891,6 +921,7 @@ class _OffloadModule:
         self._name = type(module).__name__
         self._where = f"the forward of {self._name} (offload_module)"
         self._blocks = threading.local()
+        _buffers.watch(module)
         self._handles = [
             module.register_forward_pre_hook(self._enter),
             module.register_forward_hook(self._leave, always_call=True),
@@ -907,7 +938,6 @@ class _OffloadModule:
         stack = self._stack()
         stack.append(None)
         stack[-1] = self.store._open_block()
-        _buffers._note(module, args)
 
     @torch._compile._disable_dynamo
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:

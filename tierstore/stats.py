@@ -27,10 +27,20 @@ TIERS: tuple[Tier, ...] = ("device", "host", "disk")
 class TierStats:
     """One tier's counters.
 
-    ``bytes`` and ``peak_bytes`` count what the tier holds: span bytes on the
-    device and host, footprint bytes (after compression and alignment) on
-    disk. ``bytes_written`` and ``bytes_read`` count what moved into and out
-    of the tier since the store opened.
+    ``bytes`` and ``peak_bytes`` count what the tier holds now and at most
+    since the store opened: span bytes on the device and host, footprint
+    bytes (after compression and alignment) on disk. ``bytes_written`` and
+    ``bytes_read`` are totals since the store opened (subtract two snapshots
+    for one step), and mean on each tier:
+
+    * ``device``: ``bytes_written`` is the bytes of saved tensors placed on
+      the tier (within ``device_budget``): left where autograd made them,
+      nothing copied. ``bytes_read`` stays 0: backward gets them as they are.
+    * ``host``: bytes copied into host memory (off the accelerator, or into
+      the pool), and copied back out for backward.
+    * ``disk``: footprint bytes written to disk, and read back.
+
+    ``str(stats)`` words them so (NOTE [ Counter names ]).
 
     Example:
         >>> TierStats(bytes=0, peak_bytes=4096, entries=0, bytes_written=4096, bytes_read=4096)
@@ -48,6 +58,10 @@ class TierStats:
 class Stats:
     """A snapshot of a store's counters (see :meth:`tierstore.TierStore.stats`).
 
+    Counts, seconds and moved bytes are totals since the store opened:
+    subtract an earlier snapshot for one step, as :func:`step_summary` does.
+    The attributes that end in "now" below are the state at the snapshot.
+
     Attributes:
         tiers: per tier ``"device"``, ``"host"``, ``"disk"``.
         packed: saved tensors handed to the store (offloaded or not).
@@ -62,12 +76,14 @@ class Stats:
         prefetch_misses: entries backward had to read or copy on demand, or
             that were read or copied ahead but had not landed yet.
         bytes_prefetched: bytes read or copied ahead of use.
-        unpack_wait_s: seconds backward waited for disk reads (a CUDA copy
-            is waited for by the stream, not the host: not counted).
+        unpack_wait_s: seconds backward waited for disk reads, in all the
+            backward passes since the store opened (a CUDA copy is waited
+            for by the stream, not the host: not counted).
         pack_wait_s: seconds forward waited for the write queue
-            (``write_queue_bytes``) to drain.
-        host_pool_bytes: host memory the pool holds (pinned on CUDA; 0 on
-            CPU, where the host tier needs no copy).
+            (``write_queue_bytes``) to drain, in all forwards since the
+            store opened.
+        host_pool_bytes: host memory the pool holds now (pinned on CUDA; 0
+            on CPU, where the host tier needs no copy).
         host_pool_misses: copies off the device that found no room in the
             pool and allocated their own host memory.
         disk_io: how the disk tier moves bytes: ``"file: O_DIRECT"``,
@@ -141,14 +157,20 @@ class Stats:
         return self.prefetch_hits / total if total else None
 
     def __str__(self) -> str:
+        """Per tier, then the totals; each figure says whether it is now, peak or since open.
+
+        NOTE [ Counter names ]: the fields keep one name on every tier, the
+        text says what moved: nothing is copied to the device tier, so its
+        bytes are "placed", the host's "copied in" and "copied back", the
+        disk's "written" and "read back".
+        """
         rows = [
             f"{name:>6}: {human_bytes(t.bytes):>10} now, {human_bytes(t.peak_bytes):>10} peak, "
-            f"{t.entries} entries, {human_bytes(t.bytes_written)} written, "
-            f"{human_bytes(t.bytes_read)} read"
+            f"{t.entries} entries; since the store opened: {_moved(name, t)}"
             for name, t in self.tiers.items()
         ]
         rows.append(
-            f"packed {self.packed}, deduplicated {self.deduplicated}, "
+            f"since the store opened: packed {self.packed}, deduplicated {self.deduplicated}, "
             f"kept {self.kept} ({human_bytes(self.kept_bytes)})"
             + (
                 f", recomputed {self.recomputed} ({human_bytes(self.recomputed_bytes)})"
@@ -158,21 +180,32 @@ class Stats:
         )
         rate = self.prefetch_hit_rate
         rows.append(
-            f"prefetch {self.prefetch_hits} hits, {self.prefetch_misses} misses"
+            f"since the store opened: prefetch {self.prefetch_hits} hits, "
+            f"{self.prefetch_misses} misses"
             + (f" ({rate:.0%})" if rate is not None else "")
-            + f", waited {self.unpack_wait_s:.3f} s in backward"
-            + f", {self.pack_wait_s:.3f} s in forward"
+            + f"; backward waited {self.unpack_wait_s:.3f} s for reads"
+            + f", forward {self.pack_wait_s:.3f} s for the write queue"
         )
         if self.disk_io is not None:
             rows.append(f"disk I/O: {self.disk_io}")
         if self.host_pool_bytes or self.host_pool_misses:
             rows.append(
-                f"host pool {human_bytes(self.host_pool_bytes)}, "
-                f"{self.host_pool_misses} allocations outside it"
+                f"host pool {human_bytes(self.host_pool_bytes)} now, "
+                f"{self.host_pool_misses} allocations outside it since the store opened"
             )
         if self.failed_writes:
             rows.append(f"{self.failed_writes} disk writes failed (no saved tensor lost)")
         return "\n".join(rows)
+
+
+def _moved(tier: str, t: TierStats) -> str:
+    """What ``bytes_written`` and ``bytes_read`` mean on ``tier`` (NOTE [ Counter names ])."""
+    written, read = human_bytes(t.bytes_written), human_bytes(t.bytes_read)
+    if tier == "device":
+        return f"{written} placed (left where autograd made them, not copied)"
+    if tier == "host":
+        return f"{written} copied in, {read} copied back"
+    return f"{written} written, {read} read back"
 
 
 #: Where a saved tensor went: ``"offloaded"`` (below the device, at once or

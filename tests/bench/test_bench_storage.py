@@ -51,6 +51,17 @@ def test_every_row_runs_verifies_and_reports(
     for name in ROWS:
         assert f"\n{name} " in table, name
     assert "file: write+read" in printed and "lmdb: write+read" in printed
+    # Every column is defined above the table, latency per what and over what.
+    described = printed[: printed.index("\nrow ")].replace("\n", " ")
+    for definition in (
+        "GB/s = 1e9 tensor bytes/s, per phase",
+        "vs raw, vs torch.save = write+read GB/s over that row's",
+        "p50/p99 ms = one tensor's write or read time, median and 99th percentile over every "
+        "tensor of every repeat",
+        "file and lmdb from a tensor's submission",
+        "zstd ratio = tensor bytes / stored bytes",
+    ):
+        assert definition in described, definition
 
     doc = json.loads(out_json.read_text())
     for key in ("benchmark", "command", "options", "machine", "torch", "settings", "data"):

@@ -16,11 +16,39 @@ Example:
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 from tierstore.bench import recording, soak, storage, train
 
-__all__ = ["add_bench_parser"]
+__all__ = ["add_bench_parser", "summary"]
+
+# ``name`` (a literal) and :func:`name` (a cross-reference; ~ shows its last part).
+_MARKUP = re.compile(r"``(.+?)``|:[a-z]+:`(~?)(.+?)`")
+
+
+def summary(doc: str | None) -> str:
+    """A docstring's first line as a command line shows it: reStructuredText markup removed.
+
+    Module docstrings are written for Sphinx and the doctests; ``--help`` is
+    read in a terminal, where literal double backticks are noise.
+
+    Args:
+        doc: a module's or function's ``__doc__`` (``None`` under ``python -OO``).
+
+    Example:
+        >>> summary(":func:`~tierstore.bench.train.bench_train` runs ``tierstore bench train``.")
+        'bench_train runs tierstore bench train.'
+    """
+    first = (doc or "").strip().splitlines()[:1]
+    return _MARKUP.sub(_plain, first[0]) if first else ""
+
+
+def _plain(match: re.Match[str]) -> str:
+    literal, short, target = match.groups()
+    if literal is not None:
+        return literal
+    return target.rsplit(".", 1)[-1] if short else target
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
@@ -51,14 +79,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
         "storage",
         help="write/read GB/s and latency of the disk backends against raw I/O, "
         "torch.save and safetensors",
-        description=(storage.__doc__ or "").splitlines()[0],
+        description=summary(storage.__doc__),
     )
     storage.add_arguments(p)
     p.set_defaults(run=storage.run)
     p = sub.add_parser(
         "train",
         help="GPT training steps under none, save_on_cpu, checkpoint, disk-naive and tierstore",
-        description=(train.__doc__ or "").splitlines()[0],
+        description=summary(train.__doc__),
     )
     train.add_arguments(p)
     p.set_defaults(run=train.run)
@@ -66,14 +94,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
         "soak",
         help="hundreds of GPT training steps with every activation on disk: file descriptors, "
         "threads, RSS and spill size must stay flat",
-        description=(soak.__doc__ or "").splitlines()[0],
+        description=summary(soak.__doc__),
     )
     soak.add_arguments(p)
     p.set_defaults(run=soak.run)
     p = sub.add_parser(
         "recording",
         help="what recompute's op recorder costs in forward: us per op, share of a step",
-        description=(recording.__doc__ or "").splitlines()[0],
+        description=summary(recording.__doc__),
     )
     recording.add_arguments(p)
     p.set_defaults(run=recording.run)

@@ -825,7 +825,12 @@ def _describe(report: StorageReport, info: dict[str, Any]) -> str:
         f"float32 tensors of {sizes} (gelu(randn)), {repeat} repeat{'s' * (repeat > 1)}, "
         f"into {where}; torch {torch.__version__}\n"
         "every read checked with torch.equal; writes end with fsync (timed); page cache "
-        "dropped (POSIX_FADV_DONTNEED) before reads; GB/s = 1e9 bytes/s"
+        "dropped (POSIX_FADV_DONTNEED) before reads; GB/s = 1e9 tensor bytes/s, per phase;\n"
+        "vs raw, vs torch.save = write+read GB/s over that row's; "
+        "p50/p99 ms = one tensor's write or read time, median and 99th percentile over every "
+        "tensor of every repeat: the baselines time each call alone, one after another; "
+        "file and lmdb from a tensor's submission (all at once, as forward queues them) to the "
+        "end of its I/O, so waiting in the queue counts; zstd ratio = tensor bytes / stored bytes"
     )
 
 

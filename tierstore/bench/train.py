@@ -1377,6 +1377,10 @@ def _bytes(value: float | None) -> str:
 def format_train(report: TrainReport) -> str:
     """The results table, then the issue's targets for the tierstore rows, as text.
 
+    A model that saves less than :data:`TARGET_SAVED_BYTES` per step gets a
+    note above the table instead of the step-time and memory targets
+    (NOTE [ Targets at size ]).
+
     The memory column is the headline: ``peak RSS`` on CPU (default
     allocator), ``reserved`` on CUDA; ``live peak`` appears when the live
     pass ran, ``allocated`` on CUDA.
@@ -1386,6 +1390,8 @@ def format_train(report: TrainReport) -> str:
         >>> s = quick_settings(steps=1, warmup=0, strategies=["none"],
         ...                    directory=tempfile.mkdtemp(), isolate=False, live_pass=False)
         >>> print(format_train(bench_train(s, show_progress=False)))  # doctest: +ELLIPSIS
+        A small model (... of saved activations per step, a ... ms step under none): ...
+        <BLANKLINE>
         strategy  step s  vs none  vs naive  peak RSS  ...
         --------  ...
         none  ...
@@ -1412,15 +1418,39 @@ def format_train(report: TrainReport) -> str:
         row.append(f"{hit:.1%}" if hit is not None else NA)
         row.append(f"{r.max_grad_diff:g}" if r.max_grad_diff is not None else NA)
         cells.append(row)
-    lines = [format_table(headers, cells)]
     saved = report.model.get("saved_activation_bytes_per_step", 0)
-    if report.targets and saved < 1 << 30:
-        lines.append(
-            f"(the targets below are for models that save >= 1 GiB per step; this one saves "
-            f"{human_bytes(saved)})"
-        )
-    lines += [_format_target(t) for t in report.targets]
+    lines = [format_table(headers, cells)]
+    targets = report.targets
+    if saved < TARGET_SAVED_BYTES:
+        # NOTE [ Targets at size ]
+        lines.insert(0, _small_model_note(report, saved))
+        targets = [t for t in targets if "grad" in t["check"]]
+    lines += [_format_target(t) for t in targets]
     return "\n".join(lines)
+
+
+# NOTE [ Targets at size ]
+# The step-time and memory targets are for models that save >= 1 GiB per step
+# (TARGET_SAVED_BYTES). On a smaller one, --quick's 3 MiB above all, a step
+# takes milliseconds and the ratios measure fixed costs: a store's threads and
+# spill file, per-tensor bookkeeping, a buffer pool sized for large steps.
+# Such a run says so above its table and prints only the targets that hold at
+# any size (gradients); the JSON keeps every target with its verdict.
+
+#: Saved activation bytes per step from which the step-time and memory targets apply.
+TARGET_SAVED_BYTES = 1 << 30
+
+
+def _small_model_note(report: TrainReport, saved: int) -> str:
+    none = report.row("none")
+    step = f", a {none.median_step_s * 1000:.0f} ms step under none" if none else ""
+    return (
+        f"A small model ({human_bytes(saved)} of saved activations per step{step}): its "
+        "step-time and memory ratios measure fixed costs (threads, a spill file, per-tensor "
+        "bookkeeping), not the cost of moving activations. The targets for them apply from "
+        f"{human_bytes(TARGET_SAVED_BYTES)} saved per step and are not checked here: run "
+        "tierstore bench train without --quick.\n"
+    )
 
 
 def _format_target(t: dict[str, Any]) -> str:
@@ -1459,7 +1489,10 @@ def _describe(report: TrainReport) -> str:
             if live
             else ""
         )
-        + "moved/step = disk bytes written + read per step; "
+        + "vs none, vs naive = the column to the left over none's, over disk-naive's; "
+        "disk peak = the disk tier's peak bytes; written/step, moved/step = disk bytes "
+        "written, written + read, per measured step; prefetch hit = unpacks that found their "
+        "entry read ahead, over all that needed a read or copy, in the measured steps;\n"
         "tierstore-file/-lmdb: device_budget=0, host_budget=0; tierstore-host: "
         f"device_budget={human_bytes(s['device_budget_bytes'])}, the rest in host memory; "
         "tierstore-host-disk: host_budget = 1/3 of the disk budget; "

@@ -40,7 +40,8 @@ def figures(stats: Stats) -> dict[str, float]:
     """The figures a callback adds to its trainer's logs, named ``tierstore/...``.
 
     Peak bytes per tier, the prefetch hit rate (once backward has read
-    anything back), and the seconds backward and forward waited.
+    anything back), and the seconds backward and forward waited: all since
+    the callback's store opened at the start of training, not per step.
 
     Example:
         >>> import tierstore
