@@ -49,7 +49,9 @@ NOTE [ What bench train measures ]
   labelled so. CUDA always runs in this process: the caching allocator's
   counters are the device's, reset before every step.
 * Step time: forward, backward and an SGD update, wall clock (CUDA:
-  synchronized), median over the measured steps.
+  synchronized), median over the measured steps. Every strategy's steps run
+  the same two sampler threads (memory every 1 ms, the store's tiers every
+  5 ms, a no-op where there is no store), so none pays for measuring alone.
 * Peak memory, the headline. CPU: peak anonymous RSS above the RSS just
   before the first step (model, gradients and optimizer in place), over the
   warm-up and the measured steps, on the default allocator: no ``mallopt``,
@@ -158,6 +160,7 @@ __all__ = [
     "bench_train",
     "default_settings",
     "format_train",
+    "plot_sweep",
     "plot_train",
     "quick_settings",
     "run",
@@ -196,6 +199,25 @@ CUDA_STRATEGIES = (
     "tierstore-host-disk",
     "checkpoint+tierstore",
 )
+
+#: ``checkpoint-N``: ``torch.utils.checkpoint`` on the first N blocks only.
+CHECKPOINT_FIRST = "checkpoint-"
+#: ``budget=F``: a TierStore with only ``activation_budget=F`` set (``--budget``).
+BUDGET = "budget="
+#: The budgets ``--sweep`` runs, as fractions of what the step saves.
+SWEEP_BUDGETS = ("0.05", "0.1", "0.2", "0.35", "0.5", "0.75")
+
+# NOTE [ Budget rows ]
+# A budget=F row is a TierStore with activation_budget=F and the defaults
+# otherwise (disk_budget sized like the other disk rows). Its store warms up
+# on the first step, profiles the second and plans the third
+# (NOTE [ Planned steps ] in tierstore/plans.py), and may remake the plan
+# once after it: a run with a budget row runs two more warm-up steps than
+# --warmup, so that the measured steps all follow the plan; every row runs
+# them, so that all reach their last step from the same weights and the
+# gradient check compares like with like. After them an empty offload()
+# block ends the last step, and the row keeps the plan: its table, its
+# predicted step time and peak, and the store's own measurement of the step.
 
 #: A tierstore strategy with this suffix runs with ``recompute="cheap"`` (``--recompute``).
 RECOMPUTE_SUFFIX = "+recompute"
@@ -308,6 +330,8 @@ class StrategyResult:
     moved_per_step: float | None = None
     config: dict[str, Any] | None = None
     timeline: dict[str, Any] = field(default_factory=dict)
+    #: ``budget=F`` rows: the plan after the measured steps (NOTE [ Budget rows ]).
+    plan: dict[str, Any] | None = None
 
 
 @dataclass
@@ -411,11 +435,12 @@ class _SaveOnCpu(_Strategy):
 
 
 class _Checkpoint(_Strategy):
-    """``torch.utils.checkpoint`` around every block, without changing the model's code."""
+    """``torch.utils.checkpoint`` around every block (or the first ``blocks``), code unchanged."""
 
-    def __init__(self, name: str, model: GPT) -> None:
+    def __init__(self, name: str, model: GPT, blocks: int | None = None) -> None:
         super().__init__(name)
         self._model = model
+        self._blocks = list(model.blocks)[:blocks]
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -423,7 +448,7 @@ class _Checkpoint(_Strategy):
         # (the same code every strategy runs) calls the blocks checkpointed.
         # Only during forward: the recomputation in backward calls the bound
         # original captured here.
-        for block in self._model.blocks:
+        for block in self._blocks:
             original = block.forward
 
             def wrapped(x: torch.Tensor, _f: Callable[..., Any] = original) -> Any:
@@ -433,7 +458,7 @@ class _Checkpoint(_Strategy):
         try:
             yield
         finally:
-            for block in self._model.blocks:
+            for block in self._blocks:
                 block.__dict__.pop("forward", None)
 
 
@@ -572,6 +597,19 @@ def _make_strategy(
         return _SaveOnCpu(name, device)
     if name == "checkpoint":
         return _Checkpoint(name, model)
+    if name.startswith(CHECKPOINT_FIRST):
+        return _Checkpoint(name, model, int(name.removeprefix(CHECKPOINT_FIRST)))
+    if name.startswith(BUDGET):
+        return _Tierstore(
+            name,
+            TierConfig(
+                activation_budget=_budget_value(name.removeprefix(BUDGET)),
+                disk_budget=budget,
+                disk_path=root,
+                min_offload_bytes=settings.min_offload_bytes,
+                compression=settings.compression,
+            ),
+        )
     if name == "disk-naive":
         return _NaiveDisk(name, root)
     if name == "torchtune":
@@ -617,14 +655,43 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _planning_steps(settings: TrainSettings) -> int:
+    """Warm-up steps every row adds when a budget row runs (NOTE [ Budget rows ])."""
+    return 2 if any(n.startswith(BUDGET) for n in settings.strategies) else 0
+
+
+def _budget_value(text: str) -> int | float | str:
+    """``budget=F``'s value as TierConfig takes it: a fraction, or a size as written."""
+    try:
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        return text
+
+
+def _known(name: str) -> bool:
+    """``checkpoint-N`` and ``budget=F`` beside the fixed names."""
+    if name.startswith(CHECKPOINT_FIRST):
+        return name.removeprefix(CHECKPOINT_FIRST).isdigit()
+    if name.startswith(BUDGET):
+        try:
+            TierConfig(activation_budget=_budget_value(name.removeprefix(BUDGET)))
+        except TierstoreError:
+            return False
+        return True
+    return False
+
+
 def _check_settings(settings: TrainSettings) -> torch.device:
     for name in settings.strategies:
+        if _known(name):
+            continue
         if name.removesuffix(RECOMPUTE_SUFFIX) not in STRATEGIES or (
             name.endswith(RECOMPUTE_SUFFIX) and _base(name) not in _RECOMPUTABLE
         ):
             raise TierstoreError(
                 f"tierstore: bench train: strategy {name!r} is unknown; expected some of "
-                f"{', '.join(STRATEGIES)}, or one of {', '.join(_RECOMPUTABLE)} followed "
+                f"{', '.join(STRATEGIES)}, checkpoint-N (the first N blocks), budget=F "
+                f"(activation_budget=F), or one of {', '.join(_RECOMPUTABLE)} followed "
                 f"by {RECOMPUTE_SUFFIX}"
             )
     bad = [r for r in settings.recompute if r not in ("off", "cheap")]
@@ -785,9 +852,13 @@ class _Bench:
             release_free_memory(full=True)
         base = self.base()
         before: Stats | None = None
-        n = settings.warmup + settings.steps
+        budgeted = (
+            isinstance(strategy, _Tierstore) and strategy.config.activation_budget is not None
+        )
+        warmup = settings.warmup + _planning_steps(settings)  # NOTE [ Budget rows ]
+        n = warmup + settings.steps
         for step in range(n):
-            if step == settings.warmup:
+            if step == warmup:
                 before = strategy.stats()
             with progress.phase(f"{strategy.name} step {step + 1}/{n}"):
                 took, peaks, timeline = self._step(strategy, opt, step, base)
@@ -795,12 +866,15 @@ class _Bench:
             result.peak_bytes.append(peaks.above)
             result.peak_rss_total_bytes = _max_or_none(result.peak_rss_total_bytes, peaks.total)
             result.peak_allocated_bytes = _max_or_none(result.peak_allocated_bytes, peaks.allocated)
-            if step < settings.warmup:
+            if step < warmup:
                 result.warmup_s.append(took)
             else:
                 result.step_s.append(took)
                 result.timeline = {"step": step + 1, **timeline}
         _summarize(result, before, strategy.stats(), settings.steps)
+        if budgeted:
+            assert isinstance(strategy, _Tierstore)
+            result.plan = _plan_of(strategy.store, result)
 
     def _step(
         self,
@@ -822,12 +896,12 @@ class _Bench:
             torch.cuda.reset_peak_memory_stats(self.device)
         if base is None:
             base = self.base()
+        # NOTE [ What bench train measures ]: the same two samplers run in every
+        # strategy's steps; the second reads a store's tiers where there is one.
         mem = _Sampler(self.memory_now, _SAMPLE_S)
         tiers = _Sampler(lambda: _tier_bytes(strategy.stats()), _TIER_SAMPLE_S)
-        sample_tiers = isinstance(strategy, (_Tierstore, _CheckpointTierstore))
         mem.start()
-        if sample_tiers:
-            tiers.start()
+        tiers.start()
         try:
             torch.manual_seed(self.settings.seed * 7919 + step)  # the same dropout masks
             start = time.perf_counter()
@@ -841,7 +915,7 @@ class _Bench:
             del loss
         finally:
             samples = mem.stop()
-            tier_samples = tiers.stop() if sample_tiers else []
+            tier_samples = [(t, v) for t, v in tiers.stop() if v is not None]
         strategy.after_step()
         return took, self._peaks(samples, base), _timeline(samples, tier_samples, base.sampled)
 
@@ -871,8 +945,10 @@ def _timeline(
     }
 
 
-def _tier_bytes(stats: Stats | None) -> dict[str, int]:
-    assert stats is not None  # sampled for tierstore strategies only
+def _tier_bytes(stats: Stats | None) -> dict[str, int] | None:
+    """Bytes per tier now; ``None`` for a strategy with no store (sampled all the same)."""
+    if stats is None:
+        return None
     return {tier: stats.tiers[tier].bytes for tier in TIERS}
 
 
@@ -1189,9 +1265,13 @@ def bench_train(settings: TrainSettings, *, show_progress: bool = True) -> Train
         why = _torchtune_offload()
         if isinstance(why, str):
             skipped["torchtune"] = why
-    names = _with_recompute(
-        [n for n in STRATEGIES if n in wanted and n not in skipped], settings.recompute
-    ) + [n for n in wanted if n.endswith(RECOMPUTE_SUFFIX)]
+    names = (
+        _with_recompute(
+            [n for n in STRATEGIES if n in wanted and n not in skipped], settings.recompute
+        )
+        + [n for n in wanted if n.endswith(RECOMPUTE_SUFFIX)]
+        + [n for n in wanted if _known(n)]  # checkpoint-N, budget=F: in the order given
+    )
     root = Path(settings.directory or tempfile.gettempdir()).absolute()
     if not root.is_dir():
         raise TierstoreError(f"tierstore: bench train: --dir {root} is not a directory")
@@ -1249,6 +1329,27 @@ def bench_train(settings: TrainSettings, *, show_progress: bool = True) -> Train
     return TrainReport(
         rows=rows, settings=settings_doc, targets=_targets(rows, cuda), model=model_info
     )
+
+
+def _plan_of(store: TierStore, result: StrategyResult) -> dict[str, Any] | None:
+    """NOTE [ Budget rows ]: the plan, predicted beside measured."""
+    with store.offload():
+        pass  # ends the last measured step: the plan gets its measurement
+    plan = store.plan()
+    if plan is None:
+        return None
+    return {
+        "table": str(plan),
+        "budget_bytes": plan.budget_bytes,
+        "fits": plan.fits,
+        "floor_bytes": plan.floor_bytes,
+        "predicted_step_s": plan.predicted_step_s,
+        "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "measured_by_store_step_s": plan.measured_step_s,
+        "measured_by_store_peak_bytes": plan.measured_peak_bytes,
+        "measured_vs_predicted": result.median_step_s / plan.predicted_step_s,
+        "bytes": plan.bytes_by_choice(),
+    }
 
 
 def _summarize(
@@ -1426,7 +1527,23 @@ def format_train(report: TrainReport) -> str:
         lines.insert(0, _small_model_note(report, saved))
         targets = [t for t in targets if "grad" in t["check"]]
     lines += [_format_target(t) for t in targets]
+    lines += [_format_plan(r) for r in report.rows if r.plan is not None]
     return "\n".join(lines)
+
+
+def _format_plan(r: StrategyResult) -> str:
+    """A budget row's plan: predicted beside measured (NOTE [ Budget rows ])."""
+    plan = r.plan
+    assert plan is not None
+    by = plan["bytes"]
+    fits = "" if plan["fits"] else f", below its floor {human_bytes(plan['floor_bytes'])}"
+    return (
+        f"{r.name}: planned keep {human_bytes(by['keep'])}, offload "
+        f"{human_bytes(by['offload'])}, rebuild {human_bytes(by['rebuild'])} within "
+        f"{human_bytes(plan['budget_bytes'])}{fits}; step predicted "
+        f"{plan['predicted_step_s']:.3f} s, measured {r.median_step_s:.3f} s "
+        f"({plan['measured_vs_predicted']:.2f}x)"
+    )
 
 
 # NOTE [ Targets at size ]
@@ -1553,6 +1670,70 @@ def plot_train(report: TrainReport, path: str | os.PathLike[str]) -> None:
     plt.close(fig)
 
 
+def plot_sweep(report: TrainReport, path: str | os.PathLike[str]) -> None:
+    """The curve of ``--sweep``: peak memory against step time, both relative to ``none``.
+
+    Checkpointing the first N blocks and tierstore's budgets are lines; the
+    other offloaders are points. A budget row's predicted step is a cross.
+
+    Raises:
+        TierstoreError: matplotlib is not installed.
+
+    Example:
+        >>> import os, tempfile
+        >>> s = quick_settings(steps=1, warmup=0, strategies=["none", "checkpoint-1"],
+        ...                    directory=tempfile.mkdtemp(), isolate=False, live_pass=False)
+        >>> plot_sweep(bench_train(s, show_progress=False),
+        ...            os.path.join(tempfile.mkdtemp(), "sweep.png"))  # doctest: +SKIP
+    """
+    plt = load_pyplot()
+    none = report.row("none")
+    if none is None or not none.median_step_s or not none.peak_memory_bytes:
+        raise TierstoreError("tierstore: bench train --sweep: the curve needs the none row")
+
+    def point(r: StrategyResult) -> tuple[float, float]:
+        return r.peak_memory_bytes / none.peak_memory_bytes, r.median_step_s / none.median_step_s
+
+    checkpoints = sorted(
+        (r for r in report.rows if r.name.startswith(CHECKPOINT_FIRST) or r.name == "checkpoint"),
+        key=lambda r: r.peak_memory_bytes,
+    )
+    budgets = sorted(
+        (r for r in report.rows if r.name.startswith(BUDGET)), key=lambda r: r.peak_memory_bytes
+    )
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for rows, label, style in (
+        (checkpoints, "checkpoint the first N blocks", "o-"),
+        (budgets, "tierstore activation_budget", "s-"),
+    ):
+        if rows:
+            xs, ys = zip(*(point(r) for r in rows), strict=True)
+            ax.plot(xs, ys, style, label=label)
+            for r, x, y in zip(rows, xs, ys, strict=True):
+                ax.annotate(r.name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    for r in budgets:
+        if r.plan is not None:
+            ax.plot(point(r)[0], r.plan["predicted_step_s"] / none.median_step_s, "x", color="grey")
+    for r in report.rows:
+        if r in checkpoints or r in budgets:
+            continue
+        x, y = point(r)
+        ax.plot(x, y, "D", label=r.name)
+    ax.set_xlabel(
+        "peak memory / none's ("
+        + ("reserved" if report.model["device"].startswith("cuda") else "anonymous RSS")
+        + ")"
+    )
+    ax.set_ylabel("step time / none's")
+    ax.set_title("My step does not fit: memory against step time (x: the plan's prediction)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``tierstore bench train``; model sizes default by ``--quick``.
 
@@ -1616,9 +1797,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU: skip the live-memory pass (a fresh process with glibc "
         "M_MMAP_THRESHOLD=1MiB, so RSS follows live tensors), shown beside the headline",
     )
+    parser.add_argument(
+        "--budget",
+        default="",
+        metavar="F[,F...]",
+        help="add a row per activation_budget F (a fraction such as 0.3, or a size such as "
+        "512MiB): a store with only that set, which plans keep / offload / rebuild",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="memory against step time: none, checkpoint on the first N blocks for each N, "
+        f"disk-naive, tierstore-file and budgets {','.join(SWEEP_BUDGETS)}, side by side; "
+        "writes the curve as a PNG (--plot, else next to --json)",
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
     parser.add_argument(
-        "--plot", default=None, metavar="PATH", help="write a memory timeline (PNG)"
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="write a memory timeline (PNG); with --sweep, the curve",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
@@ -1638,12 +1836,26 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         for name in ("layers", "d_model", "heads", "seq", "batch", "vocab")
         if getattr(args, name) is not None
     }
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    layers = sizes.get("layers", base.layers)
+    if args.sweep:
+        strategies = [
+            "none",
+            *(f"{CHECKPOINT_FIRST}{n}" for n in range(1, layers)),
+            "checkpoint",
+            "disk-naive",
+            "tierstore-file",
+            *(BUDGET + b for b in SWEEP_BUDGETS),
+        ]
+    budgets = [BUDGET + b.strip() for b in args.budget.split(",") if b.strip()]
+    if budgets and not strategies:
+        strategies = ["none", "checkpoint", "disk-naive", "tierstore-file"]
     return replace(
         base,
         **sizes,
         steps=args.steps,
         warmup=args.warmup,
-        strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
+        strategies=(*strategies, *(b for b in budgets if b not in strategies)),
         directory=args.dir,
         device=args.device,
         seed=args.seed,
@@ -1672,7 +1884,7 @@ def run(args: argparse.Namespace) -> int:
         0
     """
     settings = settings_from_args(args)
-    if args.plot:
+    if args.plot or args.sweep:
         load_pyplot()  # fail before the benchmark runs, not after
     info = machine_info(Path(args.dir or tempfile.gettempdir()).absolute())
     report = bench_train(settings, show_progress=not args.quiet)
@@ -1683,7 +1895,12 @@ def run(args: argparse.Namespace) -> int:
     print(format_train(report))
     if args.json:
         write_results(args, "train", info, report.as_dict())
-    if args.plot:
+    if args.sweep:
+        path = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+        if path:
+            plot_sweep(report, path)
+            print(f"curve: {path}")
+    elif args.plot:
         plot_train(report, args.plot)
         print(f"plot: {args.plot}")
     unequal = [r.name for r in report.rows if r.grads_bitwise_equal is False]
