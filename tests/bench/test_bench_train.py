@@ -510,3 +510,99 @@ def test_bad_options_name_the_option(bench_dir: Path, argv: list[str], message: 
 def test_cuda_without_a_gpu_says_so(bench_dir: Path) -> None:
     with pytest.raises(TierstoreError, match=r"torch\.cuda\.is_available"):
         _run(["--quick", "--quiet", "--dir", str(bench_dir), "--device", "cuda"])
+
+
+# -- issue 21: --budget, checkpoint-N, --sweep ------------------------------------
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_budget_adds_a_row_per_budget() -> None:
+    settings = train.settings_from_args(_args("--quick", "--budget", "0.3,512MiB"))
+    assert settings.strategies == (
+        "none",
+        "checkpoint",
+        "disk-naive",
+        "tierstore-file",
+        "budget=0.3",
+        "budget=512MiB",
+    )
+    settings = train.settings_from_args(_args("--strategies", "none", "--budget", "0.5"))
+    assert settings.strategies == ("none", "budget=0.5")
+
+
+def test_sweep_runs_checkpointing_of_each_prefix_and_the_budgets() -> None:
+    settings = train.settings_from_args(_args("--quick", "--layers", "3", "--sweep"))
+    assert settings.strategies == (
+        "none",
+        "checkpoint-1",
+        "checkpoint-2",
+        "checkpoint",
+        "disk-naive",
+        "tierstore-file",
+        *(f"budget={b}" for b in train.SWEEP_BUDGETS),
+    )
+
+
+@pytest.mark.parametrize("name", ["budget=words", "budget=1.5", "checkpoint-x", "checkpoint-"])
+def test_a_bad_budget_or_prefix_row_is_named(name: str) -> None:
+    with pytest.raises(TierstoreError, match=f"strategy '{re.escape(name)}' is unknown"):
+        train.bench_train(train.quick_settings(strategies=("none", name)), show_progress=False)
+
+
+def test_budget_and_prefix_rows_match_none_bitwise_and_report_the_plan(tmp_path: Path) -> None:
+    settings = train.quick_settings(
+        steps=1,
+        warmup=0,
+        strategies=("none", "checkpoint-1", "budget=0.5"),
+        directory=str(tmp_path),
+        isolate=False,
+        live_pass=False,
+    )
+    report = train.bench_train(settings, show_progress=False)
+    assert [(r.name, r.max_grad_diff) for r in report.rows] == [
+        ("none", 0.0),
+        ("checkpoint-1", 0.0),
+        ("budget=0.5", 0.0),
+    ]
+    # Every row ran the three planning steps (NOTE [ Budget rows ]), then the measured one.
+    assert all(len(r.warmup_s) == 3 and len(r.step_s) == 1 for r in report.rows)
+    plan = report.row("budget=0.5").plan
+    assert plan is not None
+    assert plan["table"].splitlines()[0].split()[0] == "module"
+    assert plan["predicted_step_s"] > 0
+    assert plan["measured_vs_predicted"] == pytest.approx(
+        report.row("budget=0.5").median_step_s / plan["predicted_step_s"]
+    )
+    assert sum(plan["bytes"].values()) > 0
+    assert "budget=0.5: planned keep " in train.format_train(report)
+
+
+def test_the_sweep_writes_its_curve(tmp_path: Path) -> None:
+    args = _args(
+        "--quick",
+        "--sweep",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--in-process",
+        "--no-live-pass",
+        "--quiet",
+        "--dir",
+        str(tmp_path),
+        "--json",
+        str(tmp_path / "sweep.json"),
+    )
+    with contextlib.redirect_stdout(None):
+        assert train.run(args) == 0
+    rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    assert {"none", "checkpoint-1", "checkpoint", "disk-naive", "tierstore-file"} <= {
+        r["name"] for r in rows
+    }
+    assert sum(r["name"].startswith("budget=") for r in rows) == len(train.SWEEP_BUDGETS)
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
