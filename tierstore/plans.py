@@ -135,7 +135,6 @@ class PlanRunner:
         self._step: _Step | None = None
         self._refitted = False
         self._warmed = False  # the store's first step warms up; the next is the profile
-        self.made = 0  # plans made (INFO lines)
         self.warning: str | None = None  # a floor warning for the caller to issue, once
         self._warned = False
 
@@ -330,7 +329,6 @@ class PlanRunner:
     def _make(self, profile: Profile, verb: str) -> str:
         budget = budget_bytes(self.budget, profile.saved_bytes)
         plan = self.plan = make_plan(profile, budget)
-        self.made += 1
         if not plan.fits and not self._warned:
             self._warned = True
             self.warning = (
