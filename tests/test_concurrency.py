@@ -444,3 +444,102 @@ def test_ten_thousand_small_entries(name: str, tmp_path: Path) -> None:
     assert after.packed == total
     store.close()
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+# -- (d) releases: bookkeeping under the lock, the disk on the I/O thread --------------------
+
+
+def _disk_manager(tmp_path: Path, backend: str, disk_budget: str = "64MiB") -> TierManager:
+    return TierManager(
+        tierstore.TierConfig(
+            device_budget=0,
+            host_budget=0,
+            disk_budget=disk_budget,
+            disk_path=tmp_path,
+            disk_backend=backend,
+            io_workers=4,
+            min_offload_bytes=0,
+        )
+    )
+
+
+@pytest.mark.parametrize("backend", ["file", "lmdb"])
+def test_a_finalizer_deletes_no_record_itself(backend: str, tmp_path: Path) -> None:
+    """The thread that drops the last handle queues the delete; an I/O thread runs it.
+
+    A finalizer runs on any thread, at any allocation, under the manager's lock
+    (NOTE [ Deletes on the I/O thread ]): the backend's delete, held here until
+    the test lets it go, must not run on the thread that dropped the handle.
+    """
+    mgr = _disk_manager(tmp_path, backend)
+    handles = [mgr.put(torch.randn(4096))]
+    mgr.flush()
+    disk = mgr._pipeline.backend_if_open
+    assert disk is not None
+    entered, go = threading.Event(), threading.Event()
+    ran_on: list[threading.Thread] = []
+    real_delete = disk.delete
+
+    def held_delete(key: int) -> None:
+        ran_on.append(threading.current_thread())
+        entered.set()
+        go.wait(JOIN_TIMEOUT_S)
+        real_delete(key)
+
+    disk.delete = held_delete  # type: ignore[method-assign]
+    dropper = threading.Thread(target=handles.clear, name="dropper", daemon=True)
+    dropper.start()  # the handle's finalizer runs on this thread
+    assert entered.wait(JOIN_TIMEOUT_S)
+    names = [t.name for t in ran_on]
+    go.set()
+    dropper.join(JOIN_TIMEOUT_S)
+    assert not dropper.is_alive()
+    assert len(names) == 1 and names[0].startswith("tierstore-io"), names
+    stats = mgr.stats()  # waits for the queued delete
+    assert (stats.tiers["disk"].entries, stats.tiers["disk"].bytes) == (0, 0)
+    assert (len(disk), disk.used_bytes) == (0, 0)
+    mgr.close()
+
+
+@pytest.mark.parametrize("backend", ["file", "lmdb"])
+def test_a_write_waits_for_the_delete_before_it(backend: str, tmp_path: Path) -> None:
+    """A record's room is free in the backend before a later write claims it.
+
+    The manager counts a released record's bytes as free at once; the backend
+    (whose capacity is the same disk_budget) frees them when the queued delete
+    runs. With room for one record, a save right after a release must not find
+    the backend full (NOTE [ Deletes on the I/O thread ]).
+    """
+    nbytes = 384 << 10
+    mgr = _disk_manager(tmp_path, backend, disk_budget=str(nbytes + (128 << 10)))
+    first = [mgr.put(torch.randn(nbytes // 4))]
+    mgr.flush()
+    disk = mgr._pipeline.backend_if_open
+    assert disk is not None
+    order: list[str] = []
+    writing = threading.Event()
+    real_delete, real_write = disk.delete, disk.write
+
+    def slow_delete(key: int) -> None:
+        # Gives a write that does not wait for this delete the time to start first.
+        writing.wait(0.5)
+        real_delete(key)
+        order.append("deleted")
+
+    def noted_write(key: int, chunks: Any) -> int:
+        order.append("write")
+        writing.set()
+        return real_write(key, chunks)
+
+    disk.delete = slow_delete  # type: ignore[method-assign]
+    disk.write = noted_write  # type: ignore[method-assign]
+    first.clear()  # released: the manager's disk tier is empty at once
+    second = torch.randn(nbytes // 4)
+    handle = mgr.put(second)
+    mgr.flush()
+    stats = mgr.stats()
+    assert order == ["deleted", "write"]
+    assert (stats.failed_writes, stats.tiers["disk"].entries) == (0, 1)
+    assert torch.equal(mgr.get(handle), second)
+    del handle
+    mgr.close()

@@ -104,6 +104,8 @@ __all__ = ["TierManager", "resting_nbytes"]
 # Releasing then would mutate the tier tables mid-update. So the finalizer
 # releases only when it can take the lock without waiting; otherwise it
 # queues the key, and whoever holds the lock drains the queue on the way out.
+# Releasing is bookkeeping only: a disk record is deleted on the I/O thread
+# (NOTE [ Deletes on the I/O thread ] in pipeline.py), never under this lock.
 
 
 def resting_nbytes(t: torch.Tensor) -> int:
@@ -404,6 +406,8 @@ class TierManager:
         with self._locked():
             self.check_open()
             self._writes.wait(self._writes.futures(dead_only=True), self._unlocked)
+            if self._pipeline.deleting:  # NOTE [ Deletes on the I/O thread ]
+                self._unlocked(self._pipeline.settle_deletes)
             pinned = self._transfers.pinned_pool_if_open
             buffers = self._transfers.buffers_if_open
             backend = self._pipeline.backend_if_open
