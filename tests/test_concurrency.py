@@ -543,3 +543,92 @@ def test_a_write_waits_for_the_delete_before_it(backend: str, tmp_path: Path) ->
     assert torch.equal(mgr.get(handle), second)
     del handle
     mgr.close()
+
+
+# -- (e) deduplication under threads ----------------------------------------------------------
+
+
+def test_a_save_made_while_another_waited_is_shared(tmp_path: Path) -> None:
+    """Two threads save one tensor; the first waits (lock released) after its lookup missed.
+
+    The second saves it meanwhile. When the first gets the lock back it must
+    share that entry, not store the bytes twice (NOTE [ Deduplication under
+    threads ]). The wait is forced: the first thread's backpressure waits,
+    with the lock released, until the second thread's save has returned.
+    """
+    mgr = TierManager(_config("host", tmp_path))
+    t = torch.randn(64, 64)
+    waiting, saved = threading.Event(), threading.Event()
+    real_make_room = mgr._writes.make_room
+
+    def make_room(unlocked: Callable[[Callable[[], object]], None]) -> None:
+        if threading.current_thread().name == "first":
+            waiting.set()
+            unlocked(lambda: saved.wait(JOIN_TIMEOUT_S))
+        real_make_room(unlocked)
+
+    mgr._writes.make_room = make_room  # type: ignore[method-assign]
+    handles: dict[str, Any] = {}
+
+    def first() -> None:
+        handles["first"] = mgr.put(t)
+
+    def second() -> None:
+        waiting.wait(JOIN_TIMEOUT_S)
+        handles["second"] = mgr.put(t)
+        saved.set()
+
+    threads = [threading.Thread(target=f, name=f.__name__, daemon=True) for f in (first, second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(JOIN_TIMEOUT_S)
+    assert not any(thread.is_alive() for thread in threads)
+    stats = mgr.stats()
+    assert handles["first"].key == handles["second"].key
+    assert (stats.packed, stats.deduplicated, stats.tiers["host"].entries) == (2, 1, 1)
+    assert stats.tiers["host"].bytes == t.nbytes
+    assert torch.equal(_bits(mgr.get(handles["first"])), _bits(t))
+    handles.clear()
+    stats = mgr.stats()
+    assert (stats.tiers["host"].entries, stats.tiers["host"].bytes) == (0, 0)
+    mgr.close()
+
+
+@pytest.mark.parametrize("name", ["host", "file", "lmdb"])
+def test_threads_save_one_tensor_many_times(name: str, make_store: Callable[..., Any]) -> None:
+    """Four threads, each saving the same input several times per step, not in lockstep.
+
+    Saves of the shared input deduplicate onto entries other threads' graphs
+    hold and release at any moment; every gradient is still bitwise eager's.
+    """
+    store = make_store(name)
+    threads, steps = 4, 8
+    torch.manual_seed(5)
+    x = torch.randn(32, 64)  # shared by every thread and step, never modified
+    weights = [torch.randn(64, 64, requires_grad=True) for _ in range(threads)]
+
+    def loss_of(w: torch.Tensor) -> torch.Tensor:
+        # x is saved by each matmul and mul: several saves of one tensor per step.
+        return ((x @ w).tanh() * x + (x @ w.t()).sigmoid() * x).square().sum()
+
+    def grad_of(w: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        (g,) = torch.autograd.grad(loss, [w])
+        return g
+
+    want = [grad_of(w, loss_of(w)) for w in weights]
+
+    def worker(k: int) -> Callable[[], None]:
+        def run() -> None:
+            for step in range(steps):
+                with store.offload():
+                    loss = loss_of(weights[k])
+                got = grad_of(weights[k], loss)
+                assert torch.equal(_bits(got), _bits(want[k])), f"thread {k} step {step}"
+
+        return run
+
+    _run_threads(*(worker(k) for k in range(threads)))
+    stats = store.stats()
+    assert stats.deduplicated >= threads * steps  # x saved at least twice per step
+    _assert_empty(store)

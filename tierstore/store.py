@@ -98,6 +98,17 @@ __all__ = ["TierManager", "resting_nbytes"]
 # through a detach()ed alias once both the saved tensor and our alias are
 # gone, since nothing shares a version counter without sharing the memory.
 
+# NOTE [ Deduplication under threads ]
+# The same storage, view and version saved again shares its entry: the
+# lookup and the new reference are one step under the lock, and a release
+# queued by a finalizer meanwhile is drained only after it (the entry then
+# still has the new reference). put() may release the lock after a miss
+# (backpressure waits for the write queue), and another thread may save the
+# same tensor then: so put() looks again once it has the lock back, rather
+# than store the bytes twice. Two entries can still share a dedupe key (a
+# freed storage's address reused, the weak reference dead): a release then
+# removes the registration only if it is its own.
+
 # NOTE [ Deferred release ]
 # A Handle's finalizer can run at any moment: in another thread, or in this
 # one while put() holds the lock (a garbage collection triggered inside put).
@@ -237,6 +248,11 @@ class TierManager:
                 self._follow_plan()
             copies_over = self._make_room_in_flight()
             self.check_open()  # closed by another thread while this one waited
+            # NOTE [ Deduplication under threads ]: saved meanwhile by another thread?
+            entry = self._deduplicated_entry(dedupe_key, storage)
+            if entry is not None:
+                self._tally(entry, 0)
+                return self._handle(entry, t)
             size = resting_nbytes(t) if nbytes is None else nbytes
             entry = Entry(next(self._keys), t.detach(), size)
             if copies_over:  # NOTE [ Copies in flight ]
@@ -635,8 +651,9 @@ class TierManager:
         if entry.refs:
             return
         del self._entries[key]
-        if entry.dedupe_key is not None:
-            self._dedupe.pop(entry.dedupe_key, None)
+        key_of = entry.dedupe_key
+        if key_of is not None and self._dedupe.get(key_of, (None, None))[1] == key:
+            del self._dedupe[key_of]  # only its own: NOTE [ Deduplication under threads ]
         self._reads.drop(key)
         if key in self._writes:
             return  # harvest() frees it once the write has ended
