@@ -216,6 +216,11 @@ class TierManager:
         """Whether :meth:`close` has been called."""
         return self._closed
 
+    def holds_entries(self) -> bool:
+        """Whether a saved tensor still has an entry here (a backward may still need it)."""
+        with self._locked():
+            return bool(self._entries)
+
     def check_open(self) -> None:
         """Raise :class:`~tierstore.StoreClosedError` if the store is closed."""
         if self._closed:
