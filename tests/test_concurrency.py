@@ -444,3 +444,191 @@ def test_ten_thousand_small_entries(name: str, tmp_path: Path) -> None:
     assert after.packed == total
     store.close()
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+# -- (d) releases: bookkeeping under the lock, the disk on the I/O thread --------------------
+
+
+def _disk_manager(tmp_path: Path, backend: str, disk_budget: str = "64MiB") -> TierManager:
+    return TierManager(
+        tierstore.TierConfig(
+            device_budget=0,
+            host_budget=0,
+            disk_budget=disk_budget,
+            disk_path=tmp_path,
+            disk_backend=backend,
+            io_workers=4,
+            min_offload_bytes=0,
+        )
+    )
+
+
+@pytest.mark.parametrize("backend", ["file", "lmdb"])
+def test_a_finalizer_deletes_no_record_itself(backend: str, tmp_path: Path) -> None:
+    """The thread that drops the last handle queues the delete; an I/O thread runs it.
+
+    A finalizer runs on any thread, at any allocation, under the manager's lock
+    (NOTE [ Deletes on the I/O thread ]): the backend's delete, held here until
+    the test lets it go, must not run on the thread that dropped the handle.
+    """
+    mgr = _disk_manager(tmp_path, backend)
+    handles = [mgr.put(torch.randn(4096))]
+    mgr.flush()
+    disk = mgr._pipeline.backend_if_open
+    assert disk is not None
+    entered, go = threading.Event(), threading.Event()
+    ran_on: list[threading.Thread] = []
+    real_delete = disk.delete
+
+    def held_delete(key: int) -> None:
+        ran_on.append(threading.current_thread())
+        entered.set()
+        go.wait(JOIN_TIMEOUT_S)
+        real_delete(key)
+
+    disk.delete = held_delete  # type: ignore[method-assign]
+    dropper = threading.Thread(target=handles.clear, name="dropper", daemon=True)
+    dropper.start()  # the handle's finalizer runs on this thread
+    assert entered.wait(JOIN_TIMEOUT_S)
+    names = [t.name for t in ran_on]
+    go.set()
+    dropper.join(JOIN_TIMEOUT_S)
+    assert not dropper.is_alive()
+    assert len(names) == 1 and names[0].startswith("tierstore-io"), names
+    stats = mgr.stats()  # waits for the queued delete
+    assert (stats.tiers["disk"].entries, stats.tiers["disk"].bytes) == (0, 0)
+    assert (len(disk), disk.used_bytes) == (0, 0)
+    mgr.close()
+
+
+@pytest.mark.parametrize("backend", ["file", "lmdb"])
+def test_a_write_waits_for_the_delete_before_it(backend: str, tmp_path: Path) -> None:
+    """A record's room is free in the backend before a later write claims it.
+
+    The manager counts a released record's bytes as free at once; the backend
+    (whose capacity is the same disk_budget) frees them when the queued delete
+    runs. With room for one record, a save right after a release must not find
+    the backend full (NOTE [ Deletes on the I/O thread ]).
+    """
+    nbytes = 384 << 10
+    mgr = _disk_manager(tmp_path, backend, disk_budget=str(nbytes + (128 << 10)))
+    first = [mgr.put(torch.randn(nbytes // 4))]
+    mgr.flush()
+    disk = mgr._pipeline.backend_if_open
+    assert disk is not None
+    order: list[str] = []
+    writing = threading.Event()
+    real_delete, real_write = disk.delete, disk.write
+
+    def slow_delete(key: int) -> None:
+        # Gives a write that does not wait for this delete the time to start first.
+        writing.wait(0.5)
+        real_delete(key)
+        order.append("deleted")
+
+    def noted_write(key: int, chunks: Any) -> int:
+        order.append("write")
+        writing.set()
+        return real_write(key, chunks)
+
+    disk.delete = slow_delete  # type: ignore[method-assign]
+    disk.write = noted_write  # type: ignore[method-assign]
+    first.clear()  # released: the manager's disk tier is empty at once
+    second = torch.randn(nbytes // 4)
+    handle = mgr.put(second)
+    mgr.flush()
+    stats = mgr.stats()
+    assert order == ["deleted", "write"]
+    assert (stats.failed_writes, stats.tiers["disk"].entries) == (0, 1)
+    assert torch.equal(mgr.get(handle), second)
+    del handle
+    mgr.close()
+
+
+# -- (e) deduplication under threads ----------------------------------------------------------
+
+
+def test_a_save_made_while_another_waited_is_shared(tmp_path: Path) -> None:
+    """Two threads save one tensor; the first waits (lock released) after its lookup missed.
+
+    The second saves it meanwhile. When the first gets the lock back it must
+    share that entry, not store the bytes twice (NOTE [ Deduplication under
+    threads ]). The wait is forced: the first thread's backpressure waits,
+    with the lock released, until the second thread's save has returned.
+    """
+    mgr = TierManager(_config("host", tmp_path))
+    t = torch.randn(64, 64)
+    waiting, saved = threading.Event(), threading.Event()
+    real_make_room = mgr._writes.make_room
+
+    def make_room(unlocked: Callable[[Callable[[], object]], None]) -> None:
+        if threading.current_thread().name == "first":
+            waiting.set()
+            unlocked(lambda: saved.wait(JOIN_TIMEOUT_S))
+        real_make_room(unlocked)
+
+    mgr._writes.make_room = make_room  # type: ignore[method-assign]
+    handles: dict[str, Any] = {}
+
+    def first() -> None:
+        handles["first"] = mgr.put(t)
+
+    def second() -> None:
+        waiting.wait(JOIN_TIMEOUT_S)
+        handles["second"] = mgr.put(t)
+        saved.set()
+
+    threads = [threading.Thread(target=f, name=f.__name__, daemon=True) for f in (first, second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(JOIN_TIMEOUT_S)
+    assert not any(thread.is_alive() for thread in threads)
+    stats = mgr.stats()
+    assert handles["first"].key == handles["second"].key
+    assert (stats.packed, stats.deduplicated, stats.tiers["host"].entries) == (2, 1, 1)
+    assert stats.tiers["host"].bytes == t.nbytes
+    assert torch.equal(_bits(mgr.get(handles["first"])), _bits(t))
+    handles.clear()
+    stats = mgr.stats()
+    assert (stats.tiers["host"].entries, stats.tiers["host"].bytes) == (0, 0)
+    mgr.close()
+
+
+@pytest.mark.parametrize("name", ["host", "file", "lmdb"])
+def test_threads_save_one_tensor_many_times(name: str, make_store: Callable[..., Any]) -> None:
+    """Four threads, each saving the same input several times per step, not in lockstep.
+
+    Saves of the shared input deduplicate onto entries other threads' graphs
+    hold and release at any moment; every gradient is still bitwise eager's.
+    """
+    store = make_store(name)
+    threads, steps = 4, 8
+    torch.manual_seed(5)
+    x = torch.randn(32, 64)  # shared by every thread and step, never modified
+    weights = [torch.randn(64, 64, requires_grad=True) for _ in range(threads)]
+
+    def loss_of(w: torch.Tensor) -> torch.Tensor:
+        # x is saved by each matmul and mul: several saves of one tensor per step.
+        return ((x @ w).tanh() * x + (x @ w.t()).sigmoid() * x).square().sum()
+
+    def grad_of(w: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        (g,) = torch.autograd.grad(loss, [w])
+        return g
+
+    want = [grad_of(w, loss_of(w)) for w in weights]
+
+    def worker(k: int) -> Callable[[], None]:
+        def run() -> None:
+            for step in range(steps):
+                with store.offload():
+                    loss = loss_of(weights[k])
+                got = grad_of(weights[k], loss)
+                assert torch.equal(_bits(got), _bits(want[k])), f"thread {k} step {step}"
+
+        return run
+
+    _run_threads(*(worker(k) for k in range(threads)))
+    stats = store.stats()
+    assert stats.deduplicated >= threads * steps  # x saved at least twice per step
+    _assert_empty(store)

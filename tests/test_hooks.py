@@ -574,6 +574,81 @@ def test_offload_reuses_one_store_per_config(spill_root: Any) -> None:
     assert third is not first
 
 
+def _registry_step(
+    k: int, w: torch.Tensor, x: torch.Tensor, spill_root: Any
+) -> tuple[tierstore.TierStore, torch.Tensor]:
+    """A forward under the process-wide store of configuration ``k``: (store, loss)."""
+    settings = {"device_budget": 0, "disk_budget": "8MiB", "disk_path": spill_root}
+    with tierstore.offload(**settings, min_offload_bytes=k) as store:
+        loss = (x @ w).tanh().square().sum()
+    return store, loss
+
+
+def test_offload_keeps_at_most_four_stores(spill_root: Any) -> None:
+    """Six configurations in turn: at most four stores open, a repeated one reused, exact.
+
+    NOTE [ Stores behind offload() ].
+    """
+    hooks = tierstore.hooks
+    hooks._close_all()
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(32, 64)
+    (want,) = torch.autograd.grad((x @ w).tanh().square().sum(), [w])
+    seen: list[tierstore.TierStore] = []
+    for step in range(3):
+        for k in range(6):
+            for again in range(2):  # the same configuration twice: the same store
+                store, loss = _registry_step(k, w, x, spill_root)
+                (got,) = torch.autograd.grad(loss, [w])
+                assert torch.equal(got, want), (step, k, again)
+                if again:
+                    assert store is seen[-1]
+                else:
+                    seen.append(store)
+                open_stores = [s for s in seen if not s.closed]
+                assert len(open_stores) <= 4
+                assert store in open_stores
+    # Six configurations in turn: each came back after four others, as a new store.
+    assert len(seen) == 18 and len(set(map(id, seen))) == 18
+    # Within the last four, a configuration's store is still the one it had.
+    store, loss = _registry_step(3, w, x, spill_root)
+    assert store is seen[-3]
+    del loss
+    hooks._close_all()
+    assert all(s.closed for s in seen)
+
+
+def test_a_retired_store_stays_open_for_the_backward_it_owes(spill_root: Any) -> None:
+    """A store whose graph has not run backward is closed only after it has.
+
+    NOTE [ Stores behind offload() ].
+    """
+    hooks = tierstore.hooks
+    hooks._close_all()
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(32, 64)
+    (want,) = torch.autograd.grad((x @ w).tanh().square().sum(), [w])
+    owed, pending = _registry_step(0, w, x, spill_root)
+    others = []
+    for k in range(1, 6):  # four other configurations retire the first
+        store, loss = _registry_step(k, w, x, spill_root)
+        (got,) = torch.autograd.grad(loss, [w])
+        assert torch.equal(got, want)
+        others.append(store)
+    assert owed not in hooks._stores.values() and not owed.closed
+    assert others[0].closed  # retired too, with nothing left: closed at once
+    (got,) = torch.autograd.grad(pending, [w])
+    assert torch.equal(got, want)
+    del pending
+    assert not owed.closed  # until the next offload() block
+    store, loss = _registry_step(5, w, x, spill_root)
+    assert store is others[-1] and owed.closed
+    del loss
+    hooks._close_all()
+
+
 def test_inplace_on_the_base_of_a_dead_view_raises(any_store: tierstore.TierStore) -> None:
     x = torch.randn(64, requires_grad=True)
     h = x * 1

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 import tierstore
 from tierstore import recompute
 from tierstore.bench.gpt import GPT, GPTConfig
+from tierstore.handle import Handle
 from tierstore.recompute import Recipe
 
 from .conftest import DISK_VARIANTS, FailingBackward, _all_to_disk, assert_empty, buffers_in_use
@@ -375,6 +376,132 @@ def test_threads_record_their_own_ops(host_store: tierstore.TierStore) -> None:
     for i in range(4):
         _assert_bitwise(list(expected[i]), list(results[i]))
     assert host_store.stats().recomputed > 0
+
+
+class _ContendedLock:
+    """A lock that tells when a second thread had to wait for it."""
+
+    def __init__(self, contended: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._contended = contended
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self._contended.set()
+            self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_a_shared_value_is_made_once_for_consumers_on_two_threads() -> None:
+    """Two threads fetch one stored input of a recipe at once: one read, the same tensor.
+
+    NOTE [ Recompute under threads ]. The first read is held until the second
+    consumer has either started a read of its own or is waiting for the first.
+    """
+    t = torch.randn(64)
+    packed = Handle(0, t)
+    arrived, reading = threading.Event(), threading.Event()
+    reads: list[str] = []
+
+    def fetch(_: Any) -> torch.Tensor:
+        reads.append(threading.current_thread().name)
+        if len(reads) == 1:
+            reading.set()
+            arrived.wait(60)
+        else:
+            arrived.set()
+        return t.clone()
+
+    stored = recompute._Stored.of(packed, fetch)
+    stored.add_use()  # autograd's unpack of it, and one rebuild that reads it
+    stored._lock = _ContendedLock(arrived)  # type: ignore[assignment]
+    got: dict[str, torch.Tensor] = {}
+
+    def consumer() -> None:
+        got[threading.current_thread().name] = stored.value()
+
+    first = threading.Thread(target=consumer, name="first", daemon=True)
+    second = threading.Thread(target=consumer, name="second", daemon=True)
+    first.start()
+    assert reading.wait(60)
+    second.start()
+    for thread in (first, second):
+        thread.join(60)
+    assert not first.is_alive() and not second.is_alive()
+    assert reads == ["first"]
+    assert got["first"] is got["second"] and torch.equal(got["first"], t)
+    assert stored._cache is None  # both consumers have it: dropped
+
+
+def test_two_threads_get_one_node_for_an_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An op's rebuild node, asked for on two threads at once: one node, its input counted once.
+
+    NOTE [ Recompute under threads ]. The first thread is held while it
+    resolves the op's inputs, until the second has made and published a node.
+    """
+    x = torch.randn(64)
+    packed = Handle(0, x)
+    rec = recompute.Recorder(recompute.cheap, lambda t: False)
+    rec.note_packed(x, packed, lambda p: x)
+    with rec:
+        y = x.exp()
+    origin = rec._origins[y.untyped_storage()][recompute._view_key(y)][1]
+    resolving, published = threading.Event(), threading.Event()
+    real_of = recompute._Stored.of
+
+    def held_of(p: Any, fetch: Any) -> Any:
+        if threading.current_thread().name == "first":
+            resolving.set()
+            assert published.wait(60)
+        return real_of(p, fetch)
+
+    monkeypatch.setattr(recompute._Stored, "of", staticmethod(held_of))
+    nodes: dict[str, Any] = {}
+
+    def ask() -> None:
+        nodes[threading.current_thread().name] = origin.node_for()
+        if threading.current_thread().name == "second":
+            published.set()
+
+    threads = [threading.Thread(target=ask, name=n, daemon=True) for n in ("first", "second")]
+    threads[0].start()
+    assert resolving.wait(60)  # the first is past its look at origin.node
+    threads[1].start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert nodes["first"] is nodes["second"]
+    assert recompute._stored[packed].uses == 2  # autograd's unpack and the one node
+
+
+def test_threads_run_backward_of_one_graph_at_once(host_store: tierstore.TierStore) -> None:
+    """Recipes and their stored inputs of one retained graph, unpacked by four threads at once."""
+    model, x = _decoder(), _input()
+    params = [x, *model.parameters()]
+    expected = torch.autograd.grad(model(x).square().mean(), params)
+    with host_store.offload():
+        graph = [model(x).square().mean()]
+    assert host_store.stats().recomputed > 0
+    results: dict[int, Any] = {}
+    start = threading.Barrier(4, timeout=60)
+
+    def work(i: int) -> None:
+        start.wait()
+        results[i] = torch.autograd.grad(graph[0], params, retain_graph=True)
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    for i in range(4):
+        _assert_bitwise(list(expected), list(results[i]))
+    graph.clear()
+    gc.collect()
+    assert_empty(host_store)
 
 
 def test_torch_compile_keeps_its_graph(host_store: tierstore.TierStore) -> None:

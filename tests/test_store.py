@@ -125,6 +125,27 @@ def test_dedupe_never_aliases_another_storage_at_the_same_address(spill_root: Pa
     mgr.close()
 
 
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable:UserWarning")
+def test_release_keeps_another_entrys_dedupe(spill_root: Path) -> None:
+    """Two entries under one dedupe key: releasing the older leaves the newer shareable.
+
+    NOTE [ Deduplication under threads ]: the second storage over the same
+    buffer takes the key over; the first one's release must not drop it.
+    """
+    mgr = _manager(spill_root, device_budget=0, host_budget="1MiB", disk_budget=0)
+    buffer = bytearray(256 * 4)
+    first = torch.frombuffer(buffer, dtype=torch.float32)
+    second = torch.frombuffer(buffer, dtype=torch.float32)
+    a, b = mgr.put(first), mgr.put(second)
+    assert a.key != b.key
+    del a  # releases the first entry
+    again = mgr.put(second)
+    stats = mgr.stats()
+    assert again.key == b.key
+    assert (stats.deduplicated, stats.tiers["host"].entries) == (1, 1)
+    mgr.close()
+
+
 def test_dedupe_same_view_and_not_other_versions(spill_root: Path) -> None:
     mgr = _manager(spill_root, device_budget=0, host_budget="1MiB", disk_budget=0)
     t = torch.randn(64, 64)

@@ -814,26 +814,80 @@ class TierStore:
 
 # -- the process-wide stores behind tierstore.offload() ------------------------
 
-_stores: dict[TierConfig, TierStore] = {}
+# NOTE [ Stores behind offload() ]
+# tierstore.offload(**overrides) keeps a store per configuration, so that a
+# loop entering it every step with the same settings reuses one store (its
+# threads, host pool, plan and step log). At most MAX_STORES are kept: the
+# most recently used. Entering offload() with another configuration retires
+# the least recently used one; a later offload() with that configuration
+# gets a new store. A retired store may still hold the saved tensors of a
+# graph whose forward ran under it and whose backward has not run yet, or
+# have an offload() block open in another thread: closing it then would make
+# that backward raise StoreClosedError. So a retired store is closed only
+# once it is idle (no entry left, no offload() block of this registry open
+# on it), checked as each offload() block is entered and left, and at
+# interpreter exit. A graph dropped without backward frees its entries as
+# autograd drops them, so its store closes at the next check. The store
+# yielded by offload() is for use inside the block (stats(), say); create a
+# TierStore to keep one for longer.
+
+#: How many stores tierstore.offload() keeps (NOTE [ Stores behind offload() ]).
+MAX_STORES = 4
+
+_stores: dict[TierConfig, TierStore] = {}  # least recently used first
+_retired: list[TierStore] = []
+_blocks: dict[TierStore, int] = {}  # offload() blocks open, per store
 _stores_lock = threading.Lock()
+_at_exit: list[bool] = []
 
 
 def _close_all() -> None:
     with _stores_lock:
-        stores = list(_stores.values())
+        stores = [*_stores.values(), *_retired]
         _stores.clear()
+        _retired.clear()
     for store in stores:
         store.close()
 
 
-def _store_for(config: TierConfig) -> TierStore:
+def _enter_store(config: TierConfig) -> TierStore:
+    """The store for ``config``, now the most recently used, with one more block open on it."""
     with _stores_lock:
-        store = _stores.get(config)
+        store = _stores.pop(config, None)
         if store is None or store.closed:
-            if not _stores:
+            if not _at_exit:
+                _at_exit.append(True)
                 atexit.register(_close_all)
-            store = _stores[config] = TierStore(config)
-        return store
+            store = TierStore(config)
+        _stores[config] = store  # to the end: the most recently used
+        _blocks[store] = _blocks.get(store, 0) + 1
+        while len(_stores) > MAX_STORES:
+            _retired.append(_stores.pop(next(iter(_stores))))
+        idle = _idle_retired()
+    for old in idle:
+        old.close()
+    return store
+
+
+def _leave_store(store: TierStore) -> None:
+    """One block fewer open on ``store``; close retired stores that are idle now."""
+    with _stores_lock:
+        left = _blocks.pop(store) - 1
+        if left:
+            _blocks[store] = left
+        idle = _idle_retired()
+    for old in idle:
+        old.close()
+
+
+def _idle_retired() -> list[TierStore]:
+    """Retired stores that may close now (NOTE [ Stores behind offload() ]); under the lock."""
+    idle = [
+        s for s in _retired if s.closed or (s not in _blocks and not s._manager.holds_entries())
+    ]
+    for store in idle:
+        _retired.remove(store)
+    return idle
 
 
 @contextlib.contextmanager
@@ -842,9 +896,11 @@ def offload(config: TierConfig | None = None, **overrides: Any) -> Iterator[Tier
 
     With no arguments the store's configuration comes from the environment,
     the TOML file and the defaults (:func:`tierstore.load_config`); keyword
-    arguments override single settings. One store exists per distinct
-    configuration and lives until the interpreter exits, so a training loop
-    that enters ``offload()`` every step reuses it.
+    arguments override single settings. A store is kept per configuration,
+    so a training loop that enters ``offload()`` every step reuses it; the
+    four most recently used are kept, and an older one is closed once
+    nothing saved in it is left (NOTE [ Stores behind offload() ]). Use the
+    yielded store inside the block; create a :class:`TierStore` to keep one.
 
     Args:
         config: the configuration to use instead of resolving one.
@@ -866,8 +922,12 @@ def offload(config: TierConfig | None = None, **overrides: Any) -> Iterator[Tier
     # goes to the block, and the store's own setting stays as resolved.
     policy = overrides.pop("recompute") if callable(overrides.get("recompute")) else None
     config = _resolved(config, overrides, "tierstore.offload(config=...)")
-    with _store_for(config).offload(policy) as store:
-        yield store
+    store = _enter_store(config)
+    try:
+        with store.offload(policy):
+            yield store
+    finally:
+        _leave_store(store)
 
 
 # Frames a warning should not point at: tierstore's, torch's (Module.__call__

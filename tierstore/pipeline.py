@@ -71,6 +71,19 @@ _LIVENESS_S = 0.25
 # and the callbacks it passes here only assign attributes, so the loop thread
 # never waits for the manager either.
 
+# NOTE [ Deletes on the I/O thread ]
+# A record is deleted when its entry is released, and a release can run in a
+# Handle's finalizer: on any thread, at any allocation, under the tier
+# manager's lock, perhaps while that thread holds a backend lock itself (an
+# I/O worker allocating inside a write). A delete may be I/O (an LMDB write
+# transaction, which waits for the writer), so delete() only queues it on the
+# loop thread and returns: the caller's lock guards bookkeeping, never a disk.
+# The backend's capacity is the disk_budget the manager checks, and the
+# manager counts a released record's bytes as free at once; so a write queued
+# after a delete waits for that delete before it claims room in the backend,
+# and settle_deletes() lets stats() show what backward freed. close() drops
+# deletes still queued: the backend and its files go anyway.
+
 
 class LinkClock:
     """Bytes a link moved and the seconds it was busy moving them: its rate.
@@ -263,6 +276,10 @@ class Pipeline:
         self._start_lock = threading.Lock()
         self._closed = False
         self._death: BaseException | None = None
+        # NOTE [ Deletes on the I/O thread ]: queued deletes by key (any thread),
+        # and those under way on the loop (the loop thread's own).
+        self._deleting: dict[int, concurrent.futures.Future[None]] = {}
+        self._deletes: set[asyncio.Task[Any]] = set()
         #: The disk's rates each way as the store runs (NOTE [ Planned steps ] in plans.py).
         self.write_clock = LinkClock()
         self.read_clock = LinkClock()
@@ -456,8 +473,45 @@ class Pipeline:
         return future
 
     def delete(self, key: int) -> None:
-        """Free the disk record under ``key`` (on the caller's thread: it is bookkeeping)."""
-        self._backend_or_open().delete(key)
+        """Free the disk record under ``key`` on the I/O thread; returns at once.
+
+        Never blocks and never raises, so that a finalizer may call it under
+        any lock (NOTE [ Deletes on the I/O thread ]). A write submitted after
+        it waits for it; :meth:`settle_deletes` waits for those queued so far.
+        """
+        loop = self._loop
+        if loop is None or self._closed or loop.is_closed():
+            return  # nothing was written, or close() removes every record
+        try:
+            future = asyncio.run_coroutine_threadsafe(self._delete(key), loop)
+        except RuntimeError:  # the loop closed since the check: so did the backend
+            return
+        self._deleting[key] = future
+        future.add_done_callback(lambda _: self._deleting.pop(key, None))
+
+    @property
+    def deleting(self) -> bool:
+        """Whether deletes are queued or under way."""
+        return bool(self._deleting)
+
+    def settle_deletes(self) -> None:
+        """Wait for the deletes queued so far (none run once the I/O thread is dead)."""
+        pending = [f for f in self._deleting.copy().values() if not f.done()]
+        with contextlib.suppress(TierstoreError):  # a dead I/O thread: NOTE [ A dead I/O thread ]
+            self.wait(pending)
+
+    async def _delete(self, key: int) -> None:
+        # Registered before the first await: a write queued after this delete
+        # starts after this step, and finds it (NOTE [ Deletes on the I/O thread ]).
+        task = asyncio.current_task()
+        assert task is not None
+        self._deletes.add(task)
+        try:
+            backend = self._backend
+            if backend is not None:
+                await _blocking(backend.delete, key)
+        finally:
+            self._deletes.discard(task)
 
     async def _write(
         self,
@@ -468,6 +522,8 @@ class Pipeline:
         headroom: bool,
     ) -> Record:
         backend = self._backend_or_open()
+        if self._deletes:  # the room they free is room this write may need
+            await asyncio.wait(list(self._deletes))
         if ready is not None:  # NOTE [ Copies on CUDA ]: the bytes are still arriving
             await _blocking(ready.synchronize)
         store = functools.partial(_store, headroom=headroom)

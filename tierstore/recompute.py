@@ -83,6 +83,22 @@ __all__ = ["CHEAP_OPS", "Policy", "Recipe", "Recorder", "cheap", "everything"]
 # rebuild from changed inputs would be a wrong gradient, so it raises
 # instead; a stored input's own entry does the same check at its read.
 
+# NOTE [ Recompute under threads ]
+# A Recorder is per thread, but what it makes is shared: backward can unpack
+# one graph's saves on several threads (autograd's device threads; two
+# backward calls on a retained graph), and a stored input's _Stored is
+# looked up by whichever thread unpacks it. Each _Shared value therefore
+# has a lock, held while the value is made: a second consumer waits and
+# takes the cached value (one read, one rebuild), and the use counts that
+# decide when the cache is dropped are never lost. A node's lock is taken
+# before its inputs' (the graph of nodes has no cycles, so neither has the
+# lock order), and nothing that runs under one takes a node's lock again.
+# _Origin.node_for publishes an op's node under _nodes_lock, so two callers
+# get the same node and its inputs count it once.
+
+#: Guards _Origin.node (NOTE [ Recompute under threads ]).
+_nodes_lock = threading.Lock()
+
 #: The most ops a chain of never-saved intermediates may span.
 MAX_DEPTH = 8
 
@@ -267,11 +283,15 @@ class _Origin:
                     leaves.append(_Input(packed.tensor, packed.version))
                 else:
                     leaves.append(_Input(_Stored.of(packed, extra), None, packed))
-        for leaf in leaves:  # every input resolved: count this node as their user
-            if type(leaf) is _Input and isinstance(leaf.source, _Shared):
-                leaf.source.uses += 1
-        node = _Node(self.func, self.spec, leaves, self.outs)
-        self.node = weakref.ref(node)
+        with _nodes_lock:  # NOTE [ Recompute under threads ]
+            node = self.node() if self.node is not None else None
+            if node is not None:  # another thread made it meanwhile: theirs serves both
+                return node
+            for leaf in leaves:  # every input resolved: count this node as their user
+                if type(leaf) is _Input and isinstance(leaf.source, _Shared):
+                    leaf.source.add_use()
+            node = _Node(self.func, self.spec, leaves, self.outs)
+            self.node = weakref.ref(node)
         return node
 
 
@@ -294,25 +314,36 @@ class _Shared:
     fetched it, then dropped (NOTE [ Recompute ]: Memory).
     """
 
-    __slots__ = ("__weakref__", "_cache", "_pending", "uses")
+    __slots__ = ("__weakref__", "_cache", "_lock", "_pending", "uses")
 
     def __init__(self, uses: int) -> None:
         self.uses = uses
         self._pending = 0
         self._cache: Any = None
+        self._lock = threading.Lock()
+
+    def add_use(self) -> None:
+        """One more consumer will fetch the value."""
+        with self._lock:
+            self.uses += 1
 
     def _make(self, alloc: _Alloc | None) -> Any:
         raise NotImplementedError
 
     def value(self, alloc: _Alloc | None = None) -> Any:
-        """The value, made now (into ``alloc``'s memory if it can) or taken from the cache."""
-        out = self._cache
-        if out is None:
-            out = self._make(alloc)
-            self._pending = self.uses
-        self._pending -= 1
-        self._cache = out if self._pending > 0 else None
-        return out
+        """The value, made now (into ``alloc``'s memory if it can) or taken from the cache.
+
+        A consumer that comes while another makes it waits for that one
+        (NOTE [ Recompute under threads ]).
+        """
+        with self._lock:
+            out = self._cache
+            if out is None:
+                out = self._make(alloc)
+                self._pending = self.uses
+            self._pending -= 1
+            self._cache = out if self._pending > 0 else None
+            return out
 
 
 class _Node(_Shared):
@@ -480,7 +511,7 @@ class Recipe(Saved):
         self, node: _Node, index: int | None, t: torch.Tensor, nbytes: int, depth: int
     ) -> None:
         super().__init__(t)
-        node.uses += 1
+        node.add_use()
         self._node = node
         self._index = index
         self.nbytes = nbytes

@@ -98,12 +98,25 @@ __all__ = ["TierManager", "resting_nbytes"]
 # through a detach()ed alias once both the saved tensor and our alias are
 # gone, since nothing shares a version counter without sharing the memory.
 
+# NOTE [ Deduplication under threads ]
+# The same storage, view and version saved again shares its entry: the
+# lookup and the new reference are one step under the lock, and a release
+# queued by a finalizer meanwhile is drained only after it (the entry then
+# still has the new reference). put() may release the lock after a miss
+# (backpressure waits for the write queue), and another thread may save the
+# same tensor then: so put() looks again once it has the lock back, rather
+# than store the bytes twice. Two entries can still share a dedupe key (a
+# freed storage's address reused, the weak reference dead): a release then
+# removes the registration only if it is its own.
+
 # NOTE [ Deferred release ]
 # A Handle's finalizer can run at any moment: in another thread, or in this
 # one while put() holds the lock (a garbage collection triggered inside put).
 # Releasing then would mutate the tier tables mid-update. So the finalizer
 # releases only when it can take the lock without waiting; otherwise it
 # queues the key, and whoever holds the lock drains the queue on the way out.
+# Releasing is bookkeeping only: a disk record is deleted on the I/O thread
+# (NOTE [ Deletes on the I/O thread ] in pipeline.py), never under this lock.
 
 
 def resting_nbytes(t: torch.Tensor) -> int:
@@ -203,6 +216,11 @@ class TierManager:
         """Whether :meth:`close` has been called."""
         return self._closed
 
+    def holds_entries(self) -> bool:
+        """Whether a saved tensor still has an entry here (a backward may still need it)."""
+        with self._locked():
+            return bool(self._entries)
+
     def check_open(self) -> None:
         """Raise :class:`~tierstore.StoreClosedError` if the store is closed."""
         if self._closed:
@@ -235,6 +253,11 @@ class TierManager:
                 self._follow_plan()
             copies_over = self._make_room_in_flight()
             self.check_open()  # closed by another thread while this one waited
+            # NOTE [ Deduplication under threads ]: saved meanwhile by another thread?
+            entry = self._deduplicated_entry(dedupe_key, storage)
+            if entry is not None:
+                self._tally(entry, 0)
+                return self._handle(entry, t)
             size = resting_nbytes(t) if nbytes is None else nbytes
             entry = Entry(next(self._keys), t.detach(), size)
             if copies_over:  # NOTE [ Copies in flight ]
@@ -404,6 +427,8 @@ class TierManager:
         with self._locked():
             self.check_open()
             self._writes.wait(self._writes.futures(dead_only=True), self._unlocked)
+            if self._pipeline.deleting:  # NOTE [ Deletes on the I/O thread ]
+                self._unlocked(self._pipeline.settle_deletes)
             pinned = self._transfers.pinned_pool_if_open
             buffers = self._transfers.buffers_if_open
             backend = self._pipeline.backend_if_open
@@ -631,8 +656,9 @@ class TierManager:
         if entry.refs:
             return
         del self._entries[key]
-        if entry.dedupe_key is not None:
-            self._dedupe.pop(entry.dedupe_key, None)
+        key_of = entry.dedupe_key
+        if key_of is not None and self._dedupe.get(key_of, (None, None))[1] == key:
+            del self._dedupe[key_of]  # only its own: NOTE [ Deduplication under threads ]
         self._reads.drop(key)
         if key in self._writes:
             return  # harvest() frees it once the write has ended
