@@ -32,6 +32,7 @@ from tierstore.backends.host import HostBlock, HostPool
 from tierstore.config import TierConfig
 from tierstore.entry import Entry
 from tierstore.errors import StoreClosedError
+from tierstore.forks import leave_to_parent
 
 __all__ = ["DeviceCopy", "HostCopy", "Transfers"]
 
@@ -142,6 +143,13 @@ class Transfers:
         # D2H copies under way, oldest first, and their bytes.
         self._copying: deque[Entry] = deque()
         self.copying_bytes = 0
+        leave_to_parent(self)
+
+    def _forked(self) -> None:
+        # NOTE [ Forked children ] in tierstore/forks.py: the pools and the
+        # copies under way are the parent's (CUDA does not survive a fork).
+        self._lock = threading.Lock()
+        self._closed = True
 
     # -- host memory (NOTE [ Host pool ], NOTE [ Leased buffers ]) --------------
 
