@@ -11,8 +11,17 @@ bytes in all, and carves entries out of them with an
 :class:`~tierstore.backends._extents.ExtentAllocator` per chunk (a stack:
 backward frees newest first). Chunks are kept until :meth:`HostPool.close`,
 so from the second step on no pinning happens at all. When no chunk has room
-and the pool may not grow, :meth:`HostPool.take` returns ``None`` and the
-caller allocates outside the pool (counted in ``allocations_outside``).
+and the pool may not grow, :meth:`HostPool.take` returns ``None`` (counted in
+``allocations_outside``). A copy off the device then is refused with an
+error that names ``host_budget`` (``Transfers.host_block``): memory pinned
+outside the pool would count against no budget, and the caching host
+allocator would keep it pinned for the life of the process.
+
+Pinning can fail: the locked-memory limit (``ulimit -l``) or the memory
+left may be below what the pool may pin. The pool then warns once, naming
+the settings that lower it, and goes on in pageable chunks, as with
+``pin_memory=False``: slower copies, the same bytes. :func:`_pinned` is the
+one place that pins.
 
 The pool knows nothing about streams: a block still read or written by a
 copy in flight must not be given back yet. Its owner (the movers) gives it
@@ -53,6 +62,7 @@ import contextlib
 import ctypes
 import mmap
 import threading
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -60,7 +70,8 @@ import torch
 
 from tierstore.backends._aligned import PRIVATE
 from tierstore.backends._extents import ExtentAllocator
-from tierstore.errors import StoreClosedError
+from tierstore.config import ENV_PREFIX, human_bytes
+from tierstore.errors import StoreClosedError, TierstoreWarning
 
 __all__ = ["BLOCK_ALIGN", "HostBlock", "HostPool"]
 
@@ -92,13 +103,30 @@ class HostBlock:
         return self.tensor.numel()
 
 
+def _pinned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-locked host memory: the one place tierstore pins (NOTE [ Host pool ])."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _pin_failed(nbytes: int, capacity: int, exc: RuntimeError) -> str:
+    """The warning of a pool whose pinning failed (NOTE [ Host pool ])."""
+    why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return (
+        f"tierstore: pinning {human_bytes(nbytes)} of host memory for the host pool failed "
+        f"({why}); the pool goes on in pageable memory, where copies to and from the GPU are "
+        f"slower. The locked-memory limit (ulimit -l) or the free memory is below the "
+        f"{human_bytes(capacity)} the pool may pin: lower host_budget ({ENV_PREFIX}HOST_BUDGET), "
+        f"or set pin_memory=False ({ENV_PREFIX}PIN_MEMORY) to pin nothing"
+    )
+
+
 class _Chunk:
     __slots__ = ("alloc", "map", "memory", "used")
 
     def __init__(self, nbytes: int, pin: bool) -> None:
         self.map: mmap.mmap | None = None
         if pin:
-            self.memory = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            self.memory = _pinned(nbytes)
         else:  # NOTE [ Leased buffers ]: pages can be handed back
             self.map = mmap.mmap(-1, nbytes, flags=PRIVATE)
             huge = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -143,6 +171,10 @@ class HostPool:
             larger than that gets a chunk of its own size.
         pin: page-lock the chunks (``TierConfig.pin_memory`` on CUDA).
 
+    Warns:
+        TierstoreWarning: pinning a chunk failed; the pool goes on unpinned
+            (NOTE [ Host pool ]). Once per pool.
+
     Example:
         >>> import torch
         >>> from tierstore.backends.host import HostPool
@@ -170,8 +202,13 @@ class HostPool:
 
     @property
     def pinned(self) -> bool:
-        """Whether the chunks are page-locked."""
+        """Whether the chunks are page-locked (``False`` once pinning has failed)."""
         return self._pin
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The most bytes the pool may hold in chunks (rounded up to :data:`BLOCK_ALIGN`)."""
+        return self._capacity
 
     @property
     def reserved_bytes(self) -> int:
@@ -187,7 +224,7 @@ class HostPool:
 
     @property
     def allocations_outside(self) -> int:
-        """How often :meth:`take` found no room and the caller had to allocate."""
+        """How often :meth:`take` found no room (NOTE [ Host pool ] says what the caller does)."""
         return self._outside
 
     def take(self, nbytes: int) -> HostBlock | None:
@@ -211,10 +248,21 @@ class HostPool:
                 return None
             size = max(min(self._step, room), length)
             # Pinning takes long (NOTE [ Host pool ]), but only while the pool grows.
-            self._chunks.append(_Chunk(size, self._pin))
+            self._chunks.append(self._chunk(size))
             offset = self._chunks[-1].alloc.allocate(length)
             assert offset == 0
             return self._block(len(self._chunks) - 1, offset, length, nbytes)
+
+    def _chunk(self, size: int) -> _Chunk:
+        if self._pin:
+            try:
+                return _Chunk(size, pin=True)
+            except RuntimeError as exc:  # NOTE [ Host pool ]: pageable from now on
+                self._pin = False
+                warnings.warn(
+                    TierstoreWarning(_pin_failed(size, self._capacity, exc)), stacklevel=4
+                )
+        return _Chunk(size, pin=False)
 
     def _block(self, chunk: int, offset: int, length: int, nbytes: int) -> HostBlock:
         self._used += length

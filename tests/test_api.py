@@ -91,6 +91,7 @@ LAYERS = {
         "config",
         "entry",
         "errors",
+        "forks",
         "handle",
         "pipeline",
         "plans",
@@ -119,14 +120,16 @@ LAYERS = {
         "transfers",
     },
     "writebehind": {"config", "entry", "errors", "pipeline", "sizing", "stats", "transfers"},
-    "transfers": {"backends", "codec", "config", "entry", "errors"},
+    "transfers": {"backends", "codec", "config", "entry", "errors", "forks"},
     "sizing": set(),
     "entry": {"backends", "codec", "pipeline", "stats"},
-    "pipeline": {"backends", "codec", "config", "errors"},
+    "pipeline": {"backends", "codec", "config", "errors", "forks"},
     "backends": {"codec", "config", "errors", "backends"},
     "codec": {"errors"},
     "config": {"errors"},
     "errors": set(),
+    # NOTE [ Forked children ]: what a child leaves to its parent; stdlib only.
+    "forks": set(),
 }
 
 

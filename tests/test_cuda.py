@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import tierstore
+from tierstore.backends import host
 from tierstore.transfers import Transfers
 
 EmptyCheck = Callable[[tierstore.TierStore], None]
@@ -104,6 +105,31 @@ def test_gradients_bitwise_equal_on_cuda(
         stats = compare_with_eager(build, cuda_store)
         assert sum(t.bytes for t in stats.tiers.values()) > 0
     empty_check(cuda_store)
+
+
+def test_a_step_whose_pinning_fails_warns_and_runs_on_pageable_memory(
+    monkeypatch: pytest.MonkeyPatch,
+    compare_with_eager: Callable[..., tierstore.Stats],
+    empty_check: EmptyCheck,
+) -> None:
+    def refuse(nbytes: int) -> torch.Tensor:  # cudaHostAlloc past the locked-memory limit
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(host, "_pinned", refuse)
+    with tierstore.TierStore(_host()) as store:
+        with pytest.warns(tierstore.TierstoreWarning) as caught:
+            stats = compare_with_eager(_cnn, store)
+        assert [str(w.message) for w in caught] == [
+            "tierstore: pinning 64.0 MiB of host memory for the host pool failed (CUDA error: "
+            "out of memory); the pool goes on in pageable memory, where copies to and from "
+            "the GPU are slower. The locked-memory limit (ulimit -l) or the free memory is "
+            "below the 768.0 MiB the pool may pin: lower host_budget (TIERSTORE_HOST_BUDGET), "
+            "or set pin_memory=False (TIERSTORE_PIN_MEMORY) to pin nothing"
+        ]
+        assert stats.tiers["host"].bytes > 0 and stats.host_pool_misses == 0
+        pool = store._manager._transfers.pinned_pool_if_open
+        assert pool is not None and not pool.pinned
+        empty_check(store)
 
 
 class _Delayed(torch.autograd.Function):

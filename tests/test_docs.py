@@ -36,6 +36,7 @@ MODULES = [
     "tierstore.config",
     "tierstore.entry",
     "tierstore.errors",
+    "tierstore.forks",
     "tierstore.handle",
     "tierstore.hooks",
     "tierstore.integrations",

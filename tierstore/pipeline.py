@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -42,6 +43,7 @@ from tierstore.errors import (
     TierstoreError,
     quoted,
 )
+from tierstore.forks import forked_message, leave_to_parent
 
 __all__ = ["LinkClock", "Pipeline", "Record"]
 
@@ -280,11 +282,21 @@ class Pipeline:
         # and those under way on the loop (the loop thread's own).
         self._deleting: dict[int, concurrent.futures.Future[None]] = {}
         self._deletes: set[asyncio.Task[Any]] = set()
+        self._parent: int | None = None  # NOTE [ Forked children ] in tierstore/forks.py
+        leave_to_parent(self)
         #: The disk's rates each way as the store runs (NOTE [ Planned steps ] in plans.py).
         self.write_clock = LinkClock()
         self.read_clock = LinkClock()
 
     # -- resources -------------------------------------------------------------
+
+    def _forked(self) -> None:
+        # NOTE [ Forked children ]: the loop, its threads and the backend stay
+        # the parent's; the child never stops, joins or closes them.
+        if self._parent is None:
+            self._parent = os.getppid()
+        self._start_lock = threading.Lock()
+        self._closed = True
 
     def open_backend(self) -> None:
         """Open the disk backend now, so that a bad ``disk_path`` fails in the caller."""
@@ -292,8 +304,7 @@ class Pipeline:
 
     def _backend_or_open(self) -> Backend[Any]:
         with self._start_lock:
-            if self._closed:
-                raise StoreClosedError("tierstore: this store is closed; its disk tier is gone")
+            self._check_usable()
             if self._backend is None:
                 cls = backend_class(self._config.disk_backend)
                 self._backend = cls(self._config.disk_path, int(self._config.disk_budget))
@@ -331,12 +342,21 @@ class Pipeline:
             self._death = exc
             raise
 
+    def _check_usable(self) -> None:
+        if self._parent is not None:
+            raise StoreClosedError(forked_message("this store's disk tier", self._parent))
+        if self._closed:
+            raise StoreClosedError("tierstore: this store is closed; its disk tier is gone")
+
     def check_alive(self) -> None:
         """Raise if the I/O thread has died (NOTE [ A dead I/O thread ]).
 
         Raises:
             TierstoreError: the thread is gone; its exception is the ``__cause__``.
+            StoreClosedError: this is a forked child (NOTE [ Forked children ]).
         """
+        if self._parent is not None:  # the thread is the parent's: waiting would hang
+            raise StoreClosedError(forked_message("this store's disk tier", self._parent))
         thread = self._thread
         if thread is None or thread.is_alive() or self._closed:
             return
@@ -367,8 +387,7 @@ class Pipeline:
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         self.check_alive()
         with self._start_lock:
-            if self._closed:
-                raise StoreClosedError("tierstore: this store is closed; its disk tier is gone")
+            self._check_usable()
             if self._loop is None:
                 loop = asyncio.new_event_loop()
                 self._executor = concurrent.futures.ThreadPoolExecutor(

@@ -85,7 +85,8 @@ class Stats:
         host_pool_bytes: host memory the pool holds now (pinned on CUDA; 0
             on CPU, where the host tier needs no copy).
         host_pool_misses: copies off the device that found no room in the
-            pool and allocated their own host memory.
+            pool, each refused with a TierFullError that names host_budget
+            (memory outside the pool would count against no budget).
         disk_io: how the disk tier moves bytes: ``"file: O_DIRECT"``,
             ``"file: buffered"`` (the filesystem refused O_DIRECT) or
             ``"lmdb"``; ``None`` until the disk tier is first used. Bytes to
@@ -191,7 +192,7 @@ class Stats:
         if self.host_pool_bytes or self.host_pool_misses:
             rows.append(
                 f"host pool {human_bytes(self.host_pool_bytes)} now, "
-                f"{self.host_pool_misses} allocations outside it since the store opened"
+                f"{self.host_pool_misses} copies it had no room for since the store opened"
             )
         if self.failed_writes:
             rows.append(f"{self.failed_writes} disk writes failed (no saved tensor lost)")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import itertools
+import os
 import threading
 import weakref
 from collections import deque
@@ -40,6 +41,7 @@ from tierstore import codec
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.entry import Entry, TierState
 from tierstore.errors import StoreClosedError, TierFullError, TierstoreError, modified_in_place
+from tierstore.forks import forked_message, leave_to_parent
 from tierstore.handle import Handle
 from tierstore.pipeline import Pipeline
 from tierstore.plans import PlanRunner
@@ -208,6 +210,16 @@ class TierManager:
                 self._pipeline.io_cpu_s,
             )
         self._resident_peak = 0
+        self._parent: int | None = None  # NOTE [ Forked children ] in tierstore/forks.py
+        leave_to_parent(self)
+
+    def _forked(self) -> None:
+        # Closed in the child, without touching its entries or movers (the
+        # finalizer's close of those returns at once: they are marked too).
+        if self._parent is None:
+            self._parent = os.getppid()
+        self._lock = threading.Lock()
+        self._closed = True
 
     # -- public --------------------------------------------------------------
 
@@ -224,6 +236,8 @@ class TierManager:
     def check_open(self) -> None:
         """Raise :class:`~tierstore.StoreClosedError` if the store is closed."""
         if self._closed:
+            if self._parent is not None:
+                raise StoreClosedError(forked_message("this TierStore", self._parent))
             raise StoreClosedError(
                 "tierstore: this TierStore is closed; create a new one, or call close() "
                 "only after the last backward that needs its saved tensors"

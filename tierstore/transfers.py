@@ -29,9 +29,10 @@ import torch
 
 from tierstore import codec
 from tierstore.backends.host import HostBlock, HostPool
-from tierstore.config import TierConfig
+from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.entry import Entry
-from tierstore.errors import StoreClosedError
+from tierstore.errors import StoreClosedError, TierFullError
+from tierstore.forks import leave_to_parent
 
 __all__ = ["DeviceCopy", "HostCopy", "Transfers"]
 
@@ -142,6 +143,13 @@ class Transfers:
         # D2H copies under way, oldest first, and their bytes.
         self._copying: deque[Entry] = deque()
         self.copying_bytes = 0
+        leave_to_parent(self)
+
+    def _forked(self) -> None:
+        # NOTE [ Forked children ] in tierstore/forks.py: the pools and the
+        # copies under way are the parent's (CUDA does not survive a fork).
+        self._lock = threading.Lock()
+        self._closed = True
 
     # -- host memory (NOTE [ Host pool ], NOTE [ Leased buffers ]) --------------
 
@@ -207,6 +215,39 @@ class Transfers:
             streams = self._streams[device] = _Streams(device)
         return streams
 
+    def host_block(self, nbytes: int) -> HostBlock:
+        """A block of the host pool for a copy off the device; never memory outside it.
+
+        The pool holds at most ``host_budget`` plus ``write_queue_bytes`` (the
+        copies on their way to disk). Memory pinned past that would count
+        against no budget (NOTE [ Host pool ] in tierstore/backends/host.py).
+
+        Raises:
+            TierFullError: the pool has no room for ``nbytes``.
+
+        Example:
+            >>> from tierstore import TierConfig
+            >>> from tierstore.transfers import Transfers
+            >>> transfers = Transfers(TierConfig(host_budget="1MiB", pin_memory=False))
+            >>> transfers.host_block(1000).nbytes
+            1000
+            >>> transfers.close()
+        """
+        pool = self._pool(pinned=True)
+        block = pool.take(nbytes)
+        if block is None:
+            cfg = self._config
+            raise TierFullError(
+                f"tierstore: the host pool has no room for a copy of {human_bytes(nbytes)} "
+                f"off the device: {human_bytes(pool.used_bytes)} of its "
+                f"{human_bytes(pool.capacity_bytes)} (host_budget="
+                f"{human_bytes(int(cfg.host_budget))} plus write_queue_bytes="
+                f"{human_bytes(int(cfg.write_queue_bytes))}) are in use; raise host_budget "
+                f"({ENV_PREFIX}HOST_BUDGET), or write_queue_bytes "
+                f"({ENV_PREFIX}WRITE_QUEUE_BYTES) for copies on their way to disk"
+            )
+        return block
+
     def host_copy(self, span: torch.Tensor) -> HostCopy:
         """Start copying a span to host memory; on CPU the span itself is the copy."""
         if span.device.type == "cpu":
@@ -214,12 +255,8 @@ class Transfers:
         if span.device.type != "cuda":  # other accelerators: a plain synchronous copy
             return HostCopy(span.to("cpu"))
         self.reclaim()
-        nbytes = span.numel() * span.element_size()
-        block = self._pool(pinned=True).take(nbytes)
-        if block is not None:
-            host = block.tensor.view(span.dtype).view(span.shape)
-        else:
-            host = torch.empty(span.shape, dtype=span.dtype, pin_memory=self._config.pin_memory)
+        block = self.host_block(span.numel() * span.element_size())
+        host = block.tensor.view(span.dtype).view(span.shape)
         streams = self._streams_of(span.device)
         producer = torch.cuda.current_stream(span.device)  # at call time, never cached
         with torch.profiler.record_function("tierstore::d2h"):

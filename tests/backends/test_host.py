@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tierstore.backends import host
 from tierstore.backends.host import BLOCK_ALIGN, HostPool
-from tierstore.errors import StoreClosedError
+from tierstore.errors import StoreClosedError, TierstoreWarning
 
 
 def test_blocks_are_aligned_views_of_one_chunk_and_reused() -> None:
@@ -97,4 +98,31 @@ def test_double_give_is_refused() -> None:
     pool.give(a)
     with pytest.raises(ValueError, match="overlaps a free extent"):
         pool.give(a)
+    pool.close()
+
+
+def test_a_pool_that_cannot_pin_warns_once_and_goes_on_pageable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No GPU on the test machine: make the one function that pins fail as
+    # cudaHostAlloc does past the locked-memory limit.
+    def refuse(nbytes: int) -> torch.Tensor:
+        raise RuntimeError("CUDA error: out of memory\nCompile with `TORCH_USE_CUDA_DSA`")
+
+    monkeypatch.setattr(host, "_pinned", refuse)
+    step = 4 * BLOCK_ALIGN
+    pool = HostPool(capacity=3 * step, step=step, pin=True)
+    with pytest.warns(TierstoreWarning) as caught:
+        a = pool.take(step)
+        b = pool.take(step)  # a second chunk: no second warning
+    assert [str(w.message) for w in caught] == [
+        "tierstore: pinning 16.0 KiB of host memory for the host pool failed (CUDA error: "
+        "out of memory); the pool goes on in pageable memory, where copies to and from the "
+        "GPU are slower. The locked-memory limit (ulimit -l) or the free memory is below the "
+        "48.0 KiB the pool may pin: lower host_budget (TIERSTORE_HOST_BUDGET), or set "
+        "pin_memory=False (TIERSTORE_PIN_MEMORY) to pin nothing"
+    ]
+    assert a is not None and b is not None and not pool.pinned
+    a.tensor.fill_(7)
+    assert int(a.tensor.sum()) == 7 * step and pool.reserved_bytes == 2 * step
     pool.close()
