@@ -53,6 +53,7 @@ __all__ = [
     "from_span",
     "parse_header",
     "payload_tensor",
+    "record_bound",
     "record_view",
     "to_span",
 ]
@@ -522,6 +523,22 @@ def _room(span: torch.Tensor) -> torch.Tensor | None:
         return None
     whole = torch.empty(0, dtype=torch.uint8).set_(span.untyped_storage())
     return whole[start - HEADROOM : start + span.numel() * span.element_size()]
+
+
+def record_bound(nbytes: int, compression: Compression = "none") -> int:
+    """The most bytes :func:`encode` can make of a span of ``nbytes``: header and payload.
+
+    A header is at most :data:`HEADROOM` bytes: exactly that when padded
+    (NOTE [ Records in one buffer ]), a few hundred otherwise.
+
+    Example:
+        >>> import torch
+        >>> from tierstore import codec
+        >>> span = torch.zeros(1 << 16)
+        >>> codec.encode(span, headroom=True).nbytes <= codec.record_bound(span.nbytes)
+        True
+    """
+    return HEADROOM + (_compress_bound(nbytes) if compression == "zstd" else nbytes)
 
 
 def _compress_bound(nbytes: int) -> int:
