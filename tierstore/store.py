@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import threading
 import weakref
@@ -184,6 +185,8 @@ class TierManager:
         # Saves by where they went (NOTE [ Is it working? ] in tierstore/stats.py).
         self.tally = PackTally()
         self._closed = False
+        # What stats() returns once close() has run.
+        self._final: Stats | None = None
         #: activation_budget's profile, plan and measurements (NOTE [ Planned steps ]).
         self.plans: PlanRunner | None = None
         if config.activation_budget is not None:
@@ -399,48 +402,55 @@ class TierManager:
         Writes of entries already released are waited for first, so that what
         backward freed shows as freed. A live entry whose write is still
         queued counts its reservation (an upper bound) in the disk bytes;
-        :meth:`flush` settles those too.
+        :meth:`flush` settles those too. After :meth:`close`, the figures as
+        close() left them: totals and peaks kept, every byte held now 0.
         """
         with self._locked():
-            self.check_open()
-            self._writes.wait(self._writes.futures(dead_only=True), self._unlocked)
-            pinned = self._transfers.pinned_pool_if_open
-            buffers = self._transfers.buffers_if_open
-            backend = self._pipeline.backend_if_open
-            reads, writes = self._reads, self._writes
-            return Stats(
-                tiers={
-                    name: TierStats(
-                        bytes=s.bytes,
-                        peak_bytes=s.peak,
-                        entries=len(s.entries),
-                        bytes_written=s.written,
-                        bytes_read=s.read,
-                    )
-                    for name, s in self._tiers.items()
-                },
-                packed=self._packed,
-                deduplicated=self._deduplicated,
-                kept=self._kept,
-                kept_bytes=self._kept_bytes,
-                recomputed=self._recomputed,
-                recomputed_bytes=self._recomputed_bytes,
-                prefetch_hits=reads.hits,
-                prefetch_misses=reads.misses,
-                bytes_prefetched=reads.prefetched_bytes,
-                unpack_wait_s=reads.unpack_wait_s,
-                pack_wait_s=writes.pack_wait_s,
-                host_pool_bytes=pinned.reserved_bytes if pinned is not None else 0,
-                host_pool_misses=pinned.allocations_outside if pinned is not None else 0,
-                disk_io=backend.io_path if backend is not None else None,
-                failed_writes=writes.failed_writes,
-                prefetch_window_bytes=reads.limit.bytes,
-                prefetch_stalls=reads.limit.stalls,
-                write_queue_limit_bytes=writes.limit.bytes,
-                pack_waits=writes.limit.stalls,
-                buffer_bytes_in_use=buffers.used_bytes if buffers is not None else 0,
-                buffer_misses=buffers.allocations_outside if buffers is not None else 0,
-            )
+            if self._final is not None:
+                return self._final
+            if not self._closed:
+                self._writes.wait(self._writes.futures(dead_only=True), self._unlocked)
+            return self._snapshot()
+
+    def _snapshot(self) -> Stats:
+        """The counters as they are (under the lock)."""
+        pinned = self._transfers.pinned_pool_if_open
+        buffers = self._transfers.buffers_if_open
+        backend = self._pipeline.backend_if_open
+        reads, writes = self._reads, self._writes
+        return Stats(
+            tiers={
+                name: TierStats(
+                    bytes=s.bytes,
+                    peak_bytes=s.peak,
+                    entries=len(s.entries),
+                    bytes_written=s.written,
+                    bytes_read=s.read,
+                )
+                for name, s in self._tiers.items()
+            },
+            packed=self._packed,
+            deduplicated=self._deduplicated,
+            kept=self._kept,
+            kept_bytes=self._kept_bytes,
+            recomputed=self._recomputed,
+            recomputed_bytes=self._recomputed_bytes,
+            prefetch_hits=reads.hits,
+            prefetch_misses=reads.misses,
+            bytes_prefetched=reads.prefetched_bytes,
+            unpack_wait_s=reads.unpack_wait_s,
+            pack_wait_s=writes.pack_wait_s,
+            host_pool_bytes=pinned.reserved_bytes if pinned is not None else 0,
+            host_pool_misses=pinned.allocations_outside if pinned is not None else 0,
+            disk_io=backend.io_path if backend is not None else None,
+            failed_writes=writes.failed_writes,
+            prefetch_window_bytes=reads.limit.bytes,
+            prefetch_stalls=reads.limit.stalls,
+            write_queue_limit_bytes=writes.limit.bytes,
+            pack_waits=writes.limit.stalls,
+            buffer_bytes_in_use=buffers.used_bytes if buffers is not None else 0,
+            buffer_misses=buffers.allocations_outside if buffers is not None else 0,
+        )
 
     def flush(self) -> None:
         """Wait until every queued disk write has ended (and raise if one failed)."""
@@ -455,7 +465,10 @@ class TierManager:
         return str(backend.directory) if backend is not None else None
 
     def close(self) -> None:
-        """Drop every entry, stop the I/O, remove the spill directory. Idempotent."""
+        """Drop every entry, stop the I/O, remove the spill directory. Idempotent.
+
+        :meth:`stats` still answers afterwards, with the final figures.
+        """
         with self._lock:
             if self._closed:
                 return
@@ -477,7 +490,10 @@ class TierManager:
                 state.entries.clear()
                 state.heap.clear()
                 state.bytes = 0
+            final = self._snapshot()
         self._finalizer()
+        with self._lock:  # the pools are gone with the movers: nothing is held now
+            self._final = dataclasses.replace(final, host_pool_bytes=0, buffer_bytes_in_use=0)
 
     # -- placement (NOTE [ Placement ]) -----------------------------------------
 
