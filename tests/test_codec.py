@@ -217,3 +217,20 @@ def test_a_padded_record_reads_back_as_one_view() -> None:
     assert torch.equal(codec.decode(meta, payload), span)
     with pytest.raises(ValueError, match="no HEADROOM bytes in front"):
         codec.record_view(codec.payload_tensor(meta))
+
+
+def test_the_longest_short_header_is_within_its_bound() -> None:
+    # record_bound reserves SHORT_HEADER_MAX for the header of a payload under
+    # ALIGNED_MIN: the longest dtype name and 20-digit sizes still fit.
+    longest = max(codec._DTYPES.values(), key=lambda dt: len(str(dt)))
+    big = 10**19
+    meta = codec.FrameMeta(longest, big, "zstd", 4, big, "f" * 16)
+    assert len(codec._header(meta, "U8", [big], padded=False)) <= codec.SHORT_HEADER_MAX
+    for nbytes in (0, 1000, codec.ALIGNED_MIN - 1, codec.ALIGNED_MIN, 1 << 20):
+        for compression in ("none", "zstd"):
+            span = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)  # incompressible
+            room = torch.empty(codec.HEADROOM + nbytes, dtype=torch.uint8)
+            room[codec.HEADROOM :] = span
+            for s in (span, room[codec.HEADROOM :]):
+                frame = codec.encode(s, compression, headroom=s is not span)
+                assert frame.nbytes <= codec.record_bound(nbytes, compression)

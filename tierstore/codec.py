@@ -366,6 +366,9 @@ HEADROOM = 4096
 
 #: Payloads of at least this many bytes get a header of exactly HEADROOM bytes.
 ALIGNED_MIN = 64 << 10
+#: The longest header a record gets otherwise: its JSON has a few short
+#: fields (numbers of at most 20 digits, a dtype's name), a few hundred bytes.
+SHORT_HEADER_MAX = 1024
 
 
 @dataclass(frozen=True)
@@ -528,17 +531,17 @@ def _room(span: torch.Tensor) -> torch.Tensor | None:
 def record_bound(nbytes: int, compression: Compression = "none") -> int:
     """The most bytes :func:`encode` can make of a span of ``nbytes``: header and payload.
 
-    A header is at most :data:`HEADROOM` bytes: exactly that when padded
-    (NOTE [ Records in one buffer ]), a few hundred otherwise.
+    A payload of :data:`ALIGNED_MIN` bytes or more may get a header of
+    exactly :data:`HEADROOM` bytes (NOTE [ Records in one buffer ]); a
+    shorter one, a header of at most :data:`SHORT_HEADER_MAX` bytes.
 
     Example:
-        >>> import torch
         >>> from tierstore import codec
-        >>> span = torch.zeros(1 << 16)
-        >>> codec.encode(span, headroom=True).nbytes <= codec.record_bound(span.nbytes)
-        True
+        >>> codec.record_bound(1000), codec.record_bound(1 << 16)
+        (2024, 69632)
     """
-    return HEADROOM + (_compress_bound(nbytes) if compression == "zstd" else nbytes)
+    payload = _compress_bound(nbytes) if compression == "zstd" else nbytes
+    return payload + (HEADROOM if payload >= ALIGNED_MIN else SHORT_HEADER_MAX)
 
 
 def _compress_bound(nbytes: int) -> int:
