@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import itertools
 import threading
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -40,7 +41,13 @@ import torch
 from tierstore import codec
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.entry import Entry, TierState
-from tierstore.errors import StoreClosedError, TierFullError, TierstoreError, modified_in_place
+from tierstore.errors import (
+    StoreClosedError,
+    TierFullError,
+    TierstoreError,
+    TierstoreWarning,
+    modified_in_place,
+)
 from tierstore.handle import Handle
 from tierstore.pipeline import Pipeline
 from tierstore.plans import PlanRunner
@@ -110,19 +117,16 @@ __all__ = ["TierManager", "resting_nbytes"]
 def resting_nbytes(t: torch.Tensor) -> int:
     """Bytes a tensor takes once offloaded: broadcast (stride-0) dimensions count once.
 
+    A view whose elements share places rests as the storage it covers
+    (NOTE [ Spans ] in codec.py).
+
     Example:
         >>> import torch
         >>> from tierstore.store import resting_nbytes
         >>> resting_nbytes(torch.zeros(1, 256).expand(1024, 256))
         1024
     """
-    n = t.element_size()
-    for size, stride in zip(t.shape, t.stride(), strict=True):
-        if stride != 0:
-            n *= size
-        elif size == 0:
-            return 0
-    return n
+    return codec.span_nbytes(t)
 
 
 class TierManager:
@@ -182,6 +186,7 @@ class TierManager:
         self._kept_bytes = 0
         self._recomputed = 0
         self._recomputed_bytes = 0
+        self._restrided_views = 0  # NOTE [ Spans ] in codec.py: views that come back dense
         # Saves by where they went (NOTE [ Is it working? ] in tierstore/stats.py).
         self.tally = PackTally()
         self._closed = False
@@ -435,6 +440,7 @@ class TierManager:
             kept_bytes=self._kept_bytes,
             recomputed=self._recomputed,
             recomputed_bytes=self._recomputed_bytes,
+            restrided_views=self._restrided_views,
             prefetch_hits=reads.hits,
             prefetch_misses=reads.misses,
             bytes_prefetched=reads.prefetched_bytes,
@@ -530,7 +536,7 @@ class TierManager:
         if tier == "host" and entry.layout is None:
             span, layout = entry.span()
             self._transfers.to_host(entry, span)
-            entry.layout = layout
+            self._laid_out(entry, layout, tier, span.element_size())
         entry.tier = tier
         self._tiers[tier].add(entry, entry.nbytes)
 
@@ -556,11 +562,23 @@ class TierManager:
         else:
             span, layout = entry.span()
         self._transfers.to_host(entry, span, staged=True)
-        entry.layout = layout
+        self._laid_out(entry, layout, "disk", span.element_size())
         entry.tier = "disk"
         entry.footprint = reserve
         state.add(entry, reserve, written=False)  # NOTE [ Write-behind ]: counted when written
         self._writes.submit(entry)
+
+    def _laid_out(self, entry: Entry, layout: codec.Layout, tier: Tier, itemsize: int) -> None:
+        """Give ``entry`` the layout it rests in; a view that comes back dense is never silent.
+
+        NOTE [ Spans ] in codec.py: counted in stats(), warned of once.
+        """
+        first, entry.layout = entry.layout is None, layout
+        if not first or layout.saved_stride is None:  # counted once, when it first left
+            return
+        self._restrided_views += 1
+        if self._restrided_views == 1:
+            warnings.warn(_restrided_warning(entry, layout, tier, itemsize), stacklevel=2)
 
     def _make_room_in_flight(self) -> bool:
         """Backpressure before a new save; whether D2H copies leave it on the device.
@@ -677,6 +695,23 @@ def _dedupe_key(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[Any, ..
         t.dtype,
         t.device,
         t._version,
+    )
+
+
+def _restrided_warning(
+    entry: Entry, layout: codec.Layout, tier: Tier, itemsize: int
+) -> TierstoreWarning:
+    """A saved view comes back dense: why, and how to keep its strides (NOTE [ Spans ])."""
+    assert layout.saved_stride is not None
+    reach = 1 + sum((n - 1) * st for n, st in zip(layout.shape, layout.saved_stride, strict=True))
+    return TierstoreWarning(
+        f"tierstore: a saved view of shape {layout.shape} and strides {layout.saved_stride} "
+        f"reaches across {human_bytes(reach * itemsize)} of storage for "
+        f"{human_bytes(entry.nbytes)} of elements; it comes back from the {tier} tier dense, "
+        f"with strides {layout.stride}, rather than allocate all of that in backward. Its "
+        "values are the same; code that relies on its strides (a custom autograd.Function, a "
+        "compiled graph) sees others. Later ones are only counted, in "
+        "stats().restrided_views; to keep its strides, save it inside tierstore.keep()"
     )
 
 
