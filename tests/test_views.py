@@ -153,3 +153,37 @@ def test_thin_view_comes_back_dense_counted_and_warned_once(spill_root: Path) ->
     eager = x.detach().clone().requires_grad_()
     (eager.exp()[:, :3].sin().sum() + eager.cos()[:, 1:2].sin().sum()).backward()
     assert torch.equal(x.grad, eager.grad)  # the values are the same
+
+
+class _SaveView(torch.autograd.Function):
+    """Saves ``view(x * 2)``; backward hands the saved tensor to ``out``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, view: View, out: list[torch.Tensor]) -> Any:
+        ctx.save_for_backward(view(x * 2))
+        ctx.out = out
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        ctx.out.append(ctx.saved_tensors[0])
+        return grad, None, None
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("tier", ["host", "file-none", "lmdb-zstd"])
+@pytest.mark.parametrize("name", list(VIEWS))
+def test_saved_view_of_a_cuda_tensor_comes_back_with_its_strides(
+    name: str, tier: str, spill_root: Path
+) -> None:
+    x = torch.randn(64, 33, device="cuda", requires_grad=True)
+    want = VIEWS[name](x.detach() * 2)
+    out: list[torch.Tensor] = []
+    with tierstore.TierStore(_config(tier, spill_root)) as store:
+        with store.offload():
+            y = _SaveView.apply(x, VIEWS[name], out)
+        y.sum().backward()
+        assert store.stats().restrided_views == 0
+    (got,) = out
+    assert got.device == want.device and got.stride() == want.stride()
+    assert torch.equal(got, want)
