@@ -71,22 +71,28 @@ def test_any_view_round_trips(
     base = torch.randn(*[s + 3 for s in shape]) if shape else torch.randn(())
     view = base
     for d in range(len(shape)):
-        op = data.draw(st.sampled_from(["slice", "step", "expand", "none"]))
+        op = data.draw(st.sampled_from(["slice", "step", "expand", "window", "none"]))
         if op == "slice":
             view = view.narrow(d, 1, shape[d])
         elif op == "step" and view.shape[d] > 1:
             view = view[(slice(None),) * d + (slice(None, None, 2),)]
         elif op == "expand":
             view = view.narrow(d, 0, 1).expand(*view.shape[:d], 4, *view.shape[d + 1 :])
+        elif op == "window" and view.shape[d] > 1:  # windows that share elements
+            view = view.unfold(d, 2, 1)
     if view.dim() >= 2 and data.draw(st.booleans()):
         view = view.transpose(0, -1)
     back = _round_trip(view, compression)
     assert torch.equal(back, view) and back.shape == view.shape
+    # NOTE [ Spans ]: the saved strides, except a thin view's, which says so.
+    saved_stride = codec.to_span(view)[1].saved_stride
+    assert back.stride() == view.stride() or saved_stride == view.stride()
 
 
-def test_dense_and_gapped_views_keep_their_strides_others_rest_dense() -> None:
-    # NOTE [ Spans ]: every view rests densely; dense and gapped views come
-    # back with their own strides, wide-gapped and overlapping ones dense.
+def test_views_keep_their_strides_thin_ones_say_they_do_not() -> None:
+    # NOTE [ Spans ]: dense, gapped and overlapping views come back with their
+    # own strides; a view thinner than 1/4 of the storage it reaches comes
+    # back dense and its layout says so.
     t = torch.randn(8, 6)
     for view in (t.t(), t[2:5], t[3:4], t[:1].expand(5, 6), t.unsqueeze(1).expand(8, 3, 6)):
         assert _round_trip(view, "none").stride() == view.stride()
@@ -100,13 +106,41 @@ def test_dense_and_gapped_views_keep_their_strides_others_rest_dense() -> None:
         assert layout.stride == gapped.stride() and layout.dense == dense_stride
         back = codec.from_span(span.clone(), layout)
         assert torch.equal(back, gapped) and back.stride() == gapped.stride()
+    x = torch.randn(64)
+    for overlapping, covers in (
+        (x.unfold(0, 4, 2), 64),  # 31 windows of 4
+        (x[3:].as_strided((10, 8), (1, 1), 5), 17),  # a sliding window, mid-storage
+        (x.as_strided((4, 3, 8), (4, 0, 1), 1).transpose(0, 2), 20),  # broadcast too
+        (x.unfold(0, 8, 4).unfold(1, 4, 2), 64),  # windows of windows
+    ):
+        span, layout = codec.to_span(overlapping)
+        assert span.numel() == covers and layout.saved_stride is None
+        assert span.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()  # no copy
+        for compression in ("none", "zstd"):
+            back = _round_trip(overlapping, compression)
+            assert back.stride() == overlapping.stride() and torch.equal(back, overlapping)
     wide = torch.randn(100, 100)[:, :3]  # extent 33x its elements: not worth a buffer
     column = t[:, 1:2]  # 43 elements of extent for 8
-    overlapping = torch.randn(10).unfold(0, 4, 2)
-    for view, dense_stride in ((wide, (3, 1)), (column, (1, 1)), (overlapping, (4, 1))):
+    for view, dense_stride in ((wide, (3, 1)), (column, (1, 1))):
         span, layout = codec.to_span(view)
         assert layout.stride == dense_stride and layout.dense is None
+        assert layout.saved_stride == view.stride()
         assert torch.equal(codec.from_span(span.clone(), layout), view)
+
+
+def test_span_nbytes_is_the_span_to_span_makes() -> None:
+    x = torch.randn(40, 30)
+    for view in (
+        x,
+        x.t(),
+        x[:, ::2],
+        x[:, :3],
+        x[:1].expand(9, 30),
+        x.view(-1).unfold(0, 10, 3),
+        x.view(-1)[5:].as_strided((100, 12), (1, 1)),
+        x[:0],
+    ):
+        assert codec.span_nbytes(view) == codec.to_span(view)[0].nbytes, view.shape
 
 
 def test_expanded_rests_at_unexpanded_size() -> None:
@@ -217,3 +251,20 @@ def test_a_padded_record_reads_back_as_one_view() -> None:
     assert torch.equal(codec.decode(meta, payload), span)
     with pytest.raises(ValueError, match="no HEADROOM bytes in front"):
         codec.record_view(codec.payload_tensor(meta))
+
+
+def test_the_longest_short_header_is_within_its_bound() -> None:
+    # record_bound reserves SHORT_HEADER_MAX for the header of a payload under
+    # ALIGNED_MIN: the longest dtype name and 20-digit sizes still fit.
+    longest = max(codec._DTYPES.values(), key=lambda dt: len(str(dt)))
+    big = 10**19
+    meta = codec.FrameMeta(longest, big, "zstd", 4, big, "f" * 16)
+    assert len(codec._header(meta, "U8", [big], padded=False)) <= codec.SHORT_HEADER_MAX
+    for nbytes in (0, 1000, codec.ALIGNED_MIN - 1, codec.ALIGNED_MIN, 1 << 20):
+        for compression in ("none", "zstd"):
+            span = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)  # incompressible
+            room = torch.empty(codec.HEADROOM + nbytes, dtype=torch.uint8)
+            room[codec.HEADROOM :] = span
+            for s in (span, room[codec.HEADROOM :]):
+                frame = codec.encode(s, compression, headroom=s is not span)
+                assert frame.nbytes <= codec.record_bound(nbytes, compression)

@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 import torch
@@ -146,19 +146,17 @@ def _is_dense_in_some_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> 
     return offsets == list(range(offsets[0], offsets[0] + len(offsets)))
 
 
-# NOTE [ Spans ]: a gapped view within this ratio comes back with its own strides; a
+# NOTE [ Spans ]: a view within this ratio comes back with its own strides; a
 # dense one would give float32 GELU other gradients (test_gelu_of_a_gapped_view_equals_eager).
 GAP_RATIO: int = codec._MAX_GAP_RATIO
 
 
 def _within_gap_ratio(offsets: list[int]) -> bool:
-    """Whether a gapped box of a dense tensor is small enough to keep its own strides."""
+    """Whether a view covers little enough storage to keep its own strides."""
     return 1 + max(offsets) - min(offsets) <= GAP_RATIO * len(offsets)
 
 
-def _assert_layout(
-    got: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...], sliced: bool
-) -> None:
+def _assert_layout(got: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
     """What NOTE [ Spans ] in tierstore/codec.py promises about the strides of a restored view."""
     assert tuple(got.shape) == shape
     got_stride = tuple(got.stride())
@@ -167,19 +165,16 @@ def _assert_layout(
         event("dense in some order" + (", broadcast" if 0 in stride else ""))
         assert got_stride == stride  # exact, broadcast dimensions included
         return
-    # Gapped (or overlapping). A box of a dense tensor (x[:, 1:], x[:, ::2]) whose
-    # extent is within the ratio keeps its own strides, so backward runs eager's kernel.
+    # Gapped or overlapping: within the ratio it keeps its own strides, so that
+    # backward runs eager's kernel and a Function that reads them finds them.
     offsets = _offsets(shape, stride)
-    if sliced and _within_gap_ratio(offsets):
-        event("gapped, restored with its own strides")
+    if _within_gap_ratio(offsets):
+        event("gapped or overlapping, restored with its own strides")
         assert got_stride == stride
         return
-    if got_stride == stride:
-        event("gapped, kept its strides past the promise")
-        assert len(set(offsets)) == len(offsets)  # an overlapping view cannot be rebuilt so
-        return
-    # Else copied densely, in the same dimension order, broadcast dimensions still broadcast.
-    event("gapped or overlapping, restored dense")
+    # Else (a thin view) copied densely, in the same dimension order, broadcast
+    # dimensions still broadcast.
+    event("thin, restored dense")
     assert all((g == 0) == (s == 0) for g, s in zip(got_stride, stride, strict=True))
     assert _is_dense_in_some_order(shape, got_stride)
     real = [d for d, (n, s) in enumerate(zip(shape, stride, strict=True)) if n > 1 and s != 0]
@@ -200,19 +195,8 @@ def _random_bits(dtype: torch.dtype, n: int, gen: torch.Generator) -> torch.Tens
 SPECIALS = [math.nan, -math.nan, math.inf, -math.inf, -0.0, 0.0]
 
 
-class Drawn(NamedTuple):
-    """A drawn tensor, and whether it is a box of a dense tensor (slices, steps, permutes).
-
-    Such a view, when gapped, is restored with its own strides as long as its
-    extent stays within codec._MAX_GAP_RATIO times its elements (NOTE [ Spans ]).
-    """
-
-    tensor: torch.Tensor
-    sliced: bool
-
-
 @st.composite
-def saved_tensors(draw: st.DrawFn) -> Drawn:
+def saved_tensors(draw: st.DrawFn) -> torch.Tensor:
     """A CPU tensor as autograd might save it: any dtype, shape and view of a storage."""
     dtype = draw(st.sampled_from(DTYPES))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
@@ -224,7 +208,7 @@ def saved_tensors(draw: st.DrawFn) -> Drawn:
         offset = draw(st.integers(0, 5))
         reach = sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
         storage = _random_bits(dtype, offset + reach + 1, gen)
-        return Drawn(storage.as_strided(shape, stride, offset), sliced=False)
+        return storage.as_strided(shape, stride, offset)
     shape = draw(st.lists(st.integers(0, 5), min_size=0, max_size=4))
     pads = draw(st.lists(st.integers(0, 2), min_size=len(shape), max_size=len(shape)))
     padded = [n + p for n, p in zip(shape, pads, strict=True)]
@@ -248,27 +232,22 @@ def saved_tensors(draw: st.DrawFn) -> Drawn:
         view = view.permute(draw(st.permutations(range(view.dim()))))
     if draw(st.booleans()):
         view = view.unsqueeze(draw(st.integers(0, view.dim())))
-    return Drawn(view, sliced=True)
+    return view
 
 
 # -- round trips through the tier manager ------------------------------------------------
 
 
-def _snapshot(ts: list[Drawn]) -> list[tuple[Any, ...]]:
+def _snapshot(ts: list[torch.Tensor]) -> list[tuple[Any, ...]]:
     """What must come back: dtype, device, shape, stride and the bytes of each tensor."""
-    return [
-        (t.dtype, t.device, tuple(t.shape), tuple(t.stride()), sliced, _bits(t).clone())
-        for t, sliced in ts
-    ]
+    return [(t.dtype, t.device, tuple(t.shape), tuple(t.stride()), _bits(t).clone()) for t in ts]
 
 
 def _assert_matches(got: list[torch.Tensor], want: list[tuple[Any, ...]], name: str) -> None:
     assert len(got) == len(want)
-    for i, (g, (dtype, device, shape, stride, sliced, bits)) in enumerate(
-        zip(got, want, strict=True)
-    ):
+    for i, (g, (dtype, device, shape, stride, bits)) in enumerate(zip(got, want, strict=True)):
         assert (g.dtype, g.device) == (dtype, device), i
-        _assert_layout(g, shape, stride, sliced)
+        _assert_layout(g, shape, stride)
         _assert_bitwise(g, bits, f"{name}, tensor {i}")
 
 
@@ -281,7 +260,7 @@ def _assert_matches(got: list[torch.Tensor], want: list[tuple[Any, ...]], name: 
 )
 def test_put_get_round_trip_is_bitwise(
     stores: dict[str, tierstore.TierStore],
-    ts: list[Drawn],
+    ts: list[torch.Tensor],
     name: str,
     settle: bool,
     drop_originals: bool,
@@ -290,7 +269,7 @@ def test_put_get_round_trip_is_bitwise(
     mgr: TierManager = store._manager
     want = _snapshot(ts)
     held, before = _held(store), store.stats()
-    handles = [mgr.put(t) for t, _ in ts]
+    handles = [mgr.put(t) for t in ts]
     stats = store.stats()
     assert stats.packed == before.packed + len(ts)
     tier = TIER[name]  # each its own entry, in the tier
@@ -324,7 +303,7 @@ class _SaveAndReturn(torch.autograd.Function):
 @PROPERTY
 @given(ts=st.lists(saved_tensors(), min_size=1, max_size=3), name=st.sampled_from(list(VARIANTS)))
 def test_saved_tensor_round_trip_is_bitwise(
-    stores: dict[str, tierstore.TierStore], ts: list[Drawn], name: str
+    stores: dict[str, tierstore.TierStore], ts: list[torch.Tensor], name: str
 ) -> None:
     store = stores[name]
     want = _snapshot(ts)
@@ -332,7 +311,7 @@ def test_saved_tensor_round_trip_is_bitwise(
     out: list[torch.Tensor] = []
     held, before = _held(store), store.stats()
     with store.offload():
-        y = _SaveAndReturn.apply(x, out, *(t for t, _ in ts))
+        y = _SaveAndReturn.apply(x, out, *ts)
     after = store.stats()
     assert after.packed == before.packed + len(ts) and after.kept == before.kept
     tier = TIER[name]  # offloaded, not kept

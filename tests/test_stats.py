@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import tierstore
+from tierstore import codec
 from tierstore.stats import Stats, TierStats
 
 _MIB = 1 << 20
@@ -68,3 +71,89 @@ def test_a_save_within_device_budget_is_placed_not_copied() -> None:
         device = _lines(store.stats())["device"]
         y.sum().backward()
     assert "16.0 KiB placed (left where autograd made them, not copied)" in device
+
+
+def _steps(store: tierstore.TierStore, steps: int = 3) -> list[Stats]:
+    """Train a small MLP for ``steps`` steps; the stats after each forward, flush, backward."""
+    torch.manual_seed(0)
+    # 64 x 256 float32 activations: 64 KiB spans, the size whose records get a
+    # header of a whole HEADROOM (NOTE [ Records in one buffer ] in codec.py).
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    seen = []
+    for _ in range(steps):
+        with store.offload():
+            loss = model(torch.randn(64, 256)).tanh().sum()
+        seen.append(store.stats())
+        store.flush()
+        seen.append(store.stats())
+        loss.backward()
+        del loss
+        store.flush()
+        seen.append(store.stats())
+    return seen
+
+
+def test_bytes_now_never_above_peak(any_store: tierstore.TierStore) -> None:
+    seen = _steps(any_store)
+    assert max(s.tiers["disk"].peak_bytes + s.tiers["host"].peak_bytes for s in seen) > 0
+    for i, stats in enumerate(seen):
+        for name, tier in stats.tiers.items():
+            assert tier.bytes <= tier.peak_bytes, (i, name, tier)
+    for name, tier in seen[-1].tiers.items():  # after backward, nothing left
+        assert (name, tier.bytes, tier.entries) == (name, 0, 0)
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("backend", ["file", "lmdb"])
+def test_disk_reservation_bounds_the_record(
+    spill_root: Path, backend: str, compression: str
+) -> None:
+    """What a write reserves is at least the footprint of the record it writes."""
+    config = tierstore.TierConfig(
+        disk_path=spill_root, disk_backend=backend, compression=compression, disk_budget="64MiB"
+    )
+    with tierstore.TierStore(config) as store:
+        pipeline = store._manager._pipeline
+        pipeline.footprint_bound(0)  # opens the backend
+        disk = pipeline.backend_if_open
+        assert disk is not None
+        for nbytes in (4, 4000, 65532, 65536, 65540, 1 << 20):
+            staged = torch.empty(codec.HEADROOM + nbytes, dtype=torch.uint8)
+            span = staged[codec.HEADROOM :]
+            span.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))  # incompressible
+            for headroom in (False, True):
+                frame = codec.encode(span, compression, headroom=headroom)
+                bound = pipeline.footprint_bound(nbytes)
+                assert disk.footprint(frame.nbytes) <= bound, (nbytes, headroom)
+
+
+def test_stats_after_close_are_the_final_figures(spill_root: Path) -> None:
+    config = tierstore.TierConfig(
+        device_budget=0,
+        host_budget=0,
+        disk_budget="64MiB",
+        disk_path=spill_root,
+        min_offload_bytes=0,
+    )
+    store = tierstore.TierStore(config)
+    seen = _steps(store, steps=1)
+    with store.offload():  # a graph never backpropagated: its bytes are held at close
+        y = torch.randn(64, 256, requires_grad=True).exp()
+    store.flush()
+    before = store.stats()
+    assert before.tiers["disk"].bytes > 0
+    store.close()
+    after = store.stats()
+    assert after == store.stats()  # the final figures, not a moving snapshot
+    disk = after.tiers["disk"]
+    assert (disk.bytes, disk.entries) == (0, 0)
+    assert disk.peak_bytes == before.tiers["disk"].peak_bytes >= seen[0].tiers["disk"].bytes > 0
+    assert disk.bytes_written == before.tiers["disk"].bytes_written
+    assert (after.packed, after.prefetch_hits, after.disk_io) == (
+        before.packed,
+        before.prefetch_hits,
+        before.disk_io,
+    )
+    assert after.host_pool_bytes == after.buffer_bytes_in_use == 0
+    assert "disk" in str(after)
+    del y

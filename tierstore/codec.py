@@ -53,7 +53,9 @@ __all__ = [
     "from_span",
     "parse_header",
     "payload_tensor",
+    "record_bound",
     "record_view",
+    "span_nbytes",
     "to_span",
 ]
 
@@ -89,47 +91,64 @@ def empty_strided(
 
 
 # NOTE [ Spans ]
-# A saved tensor may be a view: transposed, sliced, expanded (stride 0), or a
-# gapped slice of a larger storage. We rest only the elements it can reach:
+# A saved tensor may be a view: transposed, sliced, expanded (stride 0), a
+# gapped slice of a larger storage, or one whose elements share places
+# (as_strided with steps smaller than a row, unfold, sliding windows). It
+# comes back with the shape and strides it was saved with, over a fresh
+# buffer whose first element is the view's first (its storage offset counts
+# from the part of storage it covers): a custom autograd.Function or a
+# compiled graph may rely on them, and a kernel's rounding can follow them
+# (a transposed matmul operand; float32 GELU's backward on a dense input).
+# We rest only what the view can reach:
 #   * stride-0 dimensions are narrowed to size 1 (an expanded tensor rests at
 #     its unexpanded size) and keep stride 0 in the layout;
-#   * if what remains is non-overlapping and dense (any dimension order), its
-#     elements fill one contiguous range of storage: the span is a zero-copy
-#     1-D view of that range and the layout keeps the original strides, so
-#     backward sees exactly the strides eager autograd would (a transposed
-#     operand can change which kernel, and so which rounding, a matmul uses);
-#   * otherwise (gaps or overlap) the elements are copied densely in the same
-#     dimension order, and the layout records those dense strides too
-#     (Layout.dense). A gapped view, such as x[:, 1:] or x[:, ::2], is
-#     restored into a fresh buffer with its original strides (Layout.stride),
-#     so that backward runs the kernel eager autograd would: float32 GELU's
-#     backward, for one, rounds differently on a dense input. The buffer
-#     spans the view's extent, gaps included, so this is done only while
-#     that is at most _MAX_GAP_RATIO times the elements (eager kept the whole
-#     base alive); past it, and for overlapping views, the restored tensor
-#     keeps the dense strides: values equal, strides not eager's.
-# Restoring is one as_strided over the span, or one copy into that buffer.
+#   * a view whose elements fill one range of storage (dense, in any
+#     dimension order), or that may share places and covers at most
+#     _MAX_GAP_RATIO times its elements, rests as the range of storage it
+#     covers, first element to last: the span is a zero-copy 1-D view of it,
+#     and restoring is one as_strided with the saved strides. Sharing views
+#     rest smaller than dense (unfold's windows share their elements), and
+#     can be restored no other way: a dense copy has lost which elements
+#     were one;
+#   * a view without shared places but with gaps (x[:, 1:], x[:, ::2])
+#     rests densely (Layout.dense: its elements, in the same dimension
+#     order), and is copied back into a buffer of its extent, gaps included,
+#     with its own strides (Layout.stride) while that extent is at most
+#     _MAX_GAP_RATIO times its elements;
+#   * past that ratio (one column of a wide matrix, h[:, 0] of a long
+#     sequence), restoring the strides would allocate, in backward, the
+#     storage a thin view reaches across (up to the whole base eager kept
+#     alive). Such a view comes back dense: equal values, other strides
+#     (Layout.saved_stride holds the ones it was saved with). The tier
+#     manager counts it (stats().restrided_views) and warns once: this is
+#     never silent.
 
 
 @dataclass(frozen=True)
 class Layout:
     """How to view a span as the saved tensor: shape, strides and offset, in elements.
 
+    ``dense``: the span holds the elements densely with these strides, to be
+    copied into a buffer with ``stride``. ``saved_stride``: the strides the
+    tensor was saved with, when it comes back with ``stride`` instead
+    (NOTE [ Spans ]).
+
     Example:
         >>> import torch
         >>> from tierstore.codec import to_span
         >>> to_span(torch.zeros(2, 3).t())[1]
-        Layout(shape=(3, 2), stride=(1, 3), offset=0, dense=None)
+        Layout(shape=(3, 2), stride=(1, 3), offset=0, dense=None, saved_stride=None)
     """
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
     dense: tuple[int, ...] | None = None
+    saved_stride: tuple[int, ...] | None = None
 
 
-# A gapped view is restored with its own strides while its extent is at most
-# this many times its elements (NOTE [ Spans ]).
+# A view is restored with its own strides while the storage it covers is at
+# most this many times its elements (NOTE [ Spans ]).
 _MAX_GAP_RATIO = 4
 
 
@@ -175,8 +194,58 @@ def _is_dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
+def _core_shape(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` with its broadcast (stride-0) dimensions narrowed to size 1."""
+    return tuple(1 if st == 0 else n for n, st in zip(shape, stride, strict=True))
+
+
+_Rest = Literal["range", "gapped", "dense"]
+
+
+def _rest(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[_Rest, int]:
+    """How a view with no broadcast dimension rests (NOTE [ Spans ]), and its span's elements.
+
+    ``"range"``: the storage it covers; ``"gapped"``: its elements, restored
+    with its strides; ``"dense"``: its elements, restored dense.
+    """
+    numel = 1
+    for n in shape:
+        numel *= n
+    if _is_dense(shape, stride):
+        return "range", numel
+    extent = _extent(shape, stride)
+    if extent > _MAX_GAP_RATIO * numel:
+        return "dense", numel
+    if _nested(shape, stride):
+        return "gapped", numel
+    return "range", extent
+
+
+def span_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the span :func:`to_span` makes of ``t``: what it rests in once offloaded.
+
+    Broadcast (stride-0) dimensions count once; a view whose elements share
+    places rests as the storage it covers (NOTE [ Spans ]).
+
+    Example:
+        >>> import torch
+        >>> from tierstore.codec import span_nbytes
+        >>> span_nbytes(torch.zeros(1, 256).expand(1024, 256))
+        1024
+        >>> span_nbytes(torch.zeros(1000).unfold(0, 100, 1))  # 901 windows of 100
+        4000
+    """
+    if t.is_contiguous():
+        return t.numel() * t.element_size()
+    stride = tuple(t.stride())
+    shape = _core_shape(tuple(t.shape), stride)
+    if 0 in shape:
+        return 0
+    return _rest(shape, stride)[1] * t.element_size()
+
+
 def to_span(t: torch.Tensor, alloc: Alloc | None = None) -> tuple[torch.Tensor, Layout]:
-    """Split a strided tensor into a 1-D span of its elements and the layout that views it.
+    """Split a strided tensor into a 1-D span and the layout that views it back.
 
     The span is a view of ``t``'s storage when that is possible (no copy),
     see ``NOTE [ Spans ]``; otherwise a dense copy, in memory from ``alloc``
@@ -188,40 +257,31 @@ def to_span(t: torch.Tensor, alloc: Alloc | None = None) -> tuple[torch.Tensor, 
         >>> span, layout = to_span(torch.ones(1, 4).expand(1000, 4))
         >>> span.numel(), layout.stride
         (4, (0, 1))
+        >>> span, layout = to_span(torch.arange(10.0).unfold(0, 4, 2))  # windows that overlap
+        >>> span.tolist(), layout.stride
+        ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0], (2, 1))
     """
     shape = tuple(t.shape)
     stride = tuple(t.stride())
     if t.numel() == 0:
         return t.new_empty((0,)), Layout(shape, stride, 0)
-    # Narrow broadcast (stride 0) dimensions: rest the unexpanded elements only.
-    core = t
-    for d, (size, st) in enumerate(zip(shape, stride, strict=True)):
-        if st == 0 and size > 1:
-            core = core.narrow(d, 0, 1)
-    core_shape = tuple(core.shape)
-    core_stride = tuple(core.stride())
-    if _is_dense(core_shape, core_stride):
-        span = core.as_strided((core.numel(),), (1,), core.storage_offset())
-        rest_stride = core_stride
+    core_shape = _core_shape(shape, stride)
+    core = t.as_strided(core_shape, stride, t.storage_offset())
+    rest, numel = _rest(core_shape, stride)
+    if rest == "range":
+        return core.as_strided((numel,), (1,), core.storage_offset()), Layout(shape, stride, 0)
+    dense = _dense_strides(core_shape, stride)
+    if alloc is not None and t.device.type == "cpu":
+        flat = _empty(numel * t.element_size(), t.dtype, alloc)
+        compact = flat.as_strided(core_shape, dense, 0)
     else:
-        dense = _dense_strides(core_shape, core_stride)
-        if alloc is not None and t.device.type == "cpu":
-            flat = _empty(core.numel() * t.element_size(), t.dtype, alloc)
-            compact = flat.as_strided(core_shape, dense, 0)
-        else:
-            compact = torch.empty_strided(core_shape, dense, dtype=t.dtype, device=t.device)
-        compact.copy_(core)
-        span = compact.as_strided((compact.numel(),), (1,), 0)
-        full_dense = tuple(0 if st == 0 else d for st, d in zip(stride, dense, strict=True))
-        gapped = (
-            _nested(core_shape, core_stride)
-            and _extent(core_shape, core_stride) <= _MAX_GAP_RATIO * core.numel()
-        )
-        if gapped:  # restored with its own strides: NOTE [ Spans ]
-            return span, Layout(shape, stride, 0, full_dense)
-        rest_stride = dense
-    full_stride = tuple(0 if st == 0 else rs for st, rs in zip(stride, rest_stride, strict=True))
-    return span, Layout(shape, full_stride, 0)
+        compact = torch.empty_strided(core_shape, dense, dtype=t.dtype, device=t.device)
+    compact.copy_(core)
+    span = compact.as_strided((numel,), (1,), 0)
+    full_dense = tuple(0 if st == 0 else d for st, d in zip(stride, dense, strict=True))
+    if rest == "gapped":
+        return span, Layout(shape, stride, 0, full_dense)
+    return span, Layout(shape, full_dense, 0, saved_stride=stride)
 
 
 def from_span(span: torch.Tensor, layout: Layout, alloc: Alloc | None = None) -> torch.Tensor:
@@ -365,6 +425,9 @@ HEADROOM = 4096
 
 #: Payloads of at least this many bytes get a header of exactly HEADROOM bytes.
 ALIGNED_MIN = 64 << 10
+#: The longest header a record gets otherwise: its JSON has a few short
+#: fields (numbers of at most 20 digits, a dtype's name), a few hundred bytes.
+SHORT_HEADER_MAX = 1024
 
 
 @dataclass(frozen=True)
@@ -522,6 +585,22 @@ def _room(span: torch.Tensor) -> torch.Tensor | None:
         return None
     whole = torch.empty(0, dtype=torch.uint8).set_(span.untyped_storage())
     return whole[start - HEADROOM : start + span.numel() * span.element_size()]
+
+
+def record_bound(nbytes: int, compression: Compression = "none") -> int:
+    """The most bytes :func:`encode` can make of a span of ``nbytes``: header and payload.
+
+    A payload of :data:`ALIGNED_MIN` bytes or more may get a header of
+    exactly :data:`HEADROOM` bytes (NOTE [ Records in one buffer ]); a
+    shorter one, a header of at most :data:`SHORT_HEADER_MAX` bytes.
+
+    Example:
+        >>> from tierstore import codec
+        >>> codec.record_bound(1000), codec.record_bound(1 << 16)
+        (2024, 69632)
+    """
+    payload = _compress_bound(nbytes) if compression == "zstd" else nbytes
+    return payload + (HEADROOM if payload >= ALIGNED_MIN else SHORT_HEADER_MAX)
 
 
 def _compress_bound(nbytes: int) -> int:

@@ -176,6 +176,18 @@ class TierState:
             self.written += size
         self.peak = max(self.peak, self.bytes)
 
+    def resize(self, before: int, after: int) -> None:
+        """An entry held here takes ``after`` bytes now instead of ``before``.
+
+        Example:
+            >>> from tierstore.entry import TierState
+            >>> state = TierState(budget=100, entries={}, heap=[], bytes=8, peak=8)
+            >>> state.resize(8, 12); state.bytes, state.peak
+            (12, 12)
+        """
+        self.bytes += after - before
+        self.peak = max(self.peak, self.bytes)
+
     def remove(self, entry: Entry, size: int) -> None:
         """Let go of ``entry`` (``size`` bytes)."""
         del self.entries[entry.key]

@@ -103,14 +103,15 @@ class TierFullError(TierstoreError):
 
 
 class StoreClosedError(TierstoreError):
-    """The store was used after ``close()``.
+    """The store was used after ``close()`` (``stats()`` still answers).
 
     Example:
         >>> import tierstore
         >>> store = tierstore.TierStore()
         >>> store.close()
         >>> try:
-        ...     store.stats()
+        ...     with store.offload():
+        ...         pass
         ... except tierstore.StoreClosedError:
         ...     print("closed")
         closed

@@ -613,11 +613,23 @@ class TierStore:
     def stats(self) -> Stats:
         """Bytes per tier now and at peak, entries, and what moved.
 
+        After :meth:`close` it returns the final figures (totals and peaks
+        as they were, nothing held now) rather than raising, so a summary
+        can be printed once the loop is over.
+
         Example:
-            >>> import tierstore
-            >>> with tierstore.TierStore(tierstore.TierConfig(disk_budget=0)) as store:
-            ...     print(store.stats().tiers["device"].bytes)
-            0
+            >>> import torch, tierstore
+            >>> store = tierstore.TierStore(tierstore.TierConfig(
+            ...     device_budget=0, host_budget="1MiB", disk_budget=0, min_offload_bytes=0))
+            >>> x = torch.ones(256, requires_grad=True)
+            >>> with store.offload():
+            ...     y = x.exp()
+            >>> store.stats().tiers["host"].bytes
+            1024
+            >>> y.sum().backward(); store.close()
+            >>> host = store.stats().tiers["host"]
+            >>> host.bytes, host.peak_bytes
+            (0, 1024)
         """
         return self._manager.stats()
 

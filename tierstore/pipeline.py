@@ -437,11 +437,9 @@ class Pipeline:
 
         Reserved before the write, when the real size is not known yet.
         """
-        bound = nbytes + 1024  # the header: JSON of a few fields, well under 1 KiB
-        if self._config.compression == "zstd":
-            # zstd's worst case on incompressible input (ZSTD_compressBound).
-            bound += (nbytes >> 8) + 128
-        return self._backend_or_open().footprint(bound)
+        return self._backend_or_open().footprint(
+            codec.record_bound(nbytes, self._config.compression)
+        )
 
     def submit_write(
         self,

@@ -115,6 +115,12 @@ class Stats:
             (``recompute="cheap"`` or a policy; NOTE [ Recompute ] in
             ``tierstore/recompute.py``): never stored, never moved.
         recomputed_bytes: the bytes those saves would have been stored in.
+        restrided_views: saved views that come back with dense strides,
+            not their own: thin views whose own strides reach across more
+            than 4 times their elements' storage (NOTE [ Spans ] in
+            ``tierstore/codec.py``); the first is warned of. Every other
+            saved tensor comes back with the shape and strides it was
+            saved with.
 
     Example:
         >>> import torch, tierstore
@@ -150,6 +156,7 @@ class Stats:
     buffer_misses: int = 0
     recomputed: int = 0
     recomputed_bytes: int = 0
+    restrided_views: int = 0
 
     @property
     def prefetch_hit_rate(self) -> float | None:
@@ -196,6 +203,10 @@ class Stats:
             )
         if self.failed_writes:
             rows.append(f"{self.failed_writes} disk writes failed (no saved tensor lost)")
+        if self.restrided_views:
+            rows.append(
+                f"{self.restrided_views} saved views came back with dense strides, not their own"
+            )
         return "\n".join(rows)
 
 

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import os
 import threading
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -40,7 +42,13 @@ import torch
 from tierstore import codec
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.entry import Entry, TierState
-from tierstore.errors import StoreClosedError, TierFullError, TierstoreError, modified_in_place
+from tierstore.errors import (
+    StoreClosedError,
+    TierFullError,
+    TierstoreError,
+    TierstoreWarning,
+    modified_in_place,
+)
 from tierstore.forks import forked_message, leave_to_parent
 from tierstore.handle import Handle
 from tierstore.pipeline import Pipeline
@@ -124,19 +132,16 @@ __all__ = ["TierManager", "resting_nbytes"]
 def resting_nbytes(t: torch.Tensor) -> int:
     """Bytes a tensor takes once offloaded: broadcast (stride-0) dimensions count once.
 
+    A view whose elements share places rests as the storage it covers
+    (NOTE [ Spans ] in codec.py).
+
     Example:
         >>> import torch
         >>> from tierstore.store import resting_nbytes
         >>> resting_nbytes(torch.zeros(1, 256).expand(1024, 256))
         1024
     """
-    n = t.element_size()
-    for size, stride in zip(t.shape, t.stride(), strict=True):
-        if stride != 0:
-            n *= size
-        elif size == 0:
-            return 0
-    return n
+    return codec.span_nbytes(t)
 
 
 class TierManager:
@@ -196,9 +201,12 @@ class TierManager:
         self._kept_bytes = 0
         self._recomputed = 0
         self._recomputed_bytes = 0
+        self._restrided_views = 0  # NOTE [ Spans ] in codec.py: views that come back dense
         # Saves by where they went (NOTE [ Is it working? ] in tierstore/stats.py).
         self.tally = PackTally()
         self._closed = False
+        # What stats() returns once close() has run.
+        self._final: Stats | None = None
         #: activation_budget's profile, plan and measurements (NOTE [ Planned steps ]).
         self.plans: PlanRunner | None = None
         if config.activation_budget is not None:
@@ -436,50 +444,58 @@ class TierManager:
         Writes of entries already released are waited for first, so that what
         backward freed shows as freed. A live entry whose write is still
         queued counts its reservation (an upper bound) in the disk bytes;
-        :meth:`flush` settles those too.
+        :meth:`flush` settles those too. After :meth:`close`, the figures as
+        close() left them: totals and peaks kept, every byte held now 0.
         """
         with self._locked():
-            self.check_open()
-            self._writes.wait(self._writes.futures(dead_only=True), self._unlocked)
-            if self._pipeline.deleting:  # NOTE [ Deletes on the I/O thread ]
-                self._unlocked(self._pipeline.settle_deletes)
-            pinned = self._transfers.pinned_pool_if_open
-            buffers = self._transfers.buffers_if_open
-            backend = self._pipeline.backend_if_open
-            reads, writes = self._reads, self._writes
-            return Stats(
-                tiers={
-                    name: TierStats(
-                        bytes=s.bytes,
-                        peak_bytes=s.peak,
-                        entries=len(s.entries),
-                        bytes_written=s.written,
-                        bytes_read=s.read,
-                    )
-                    for name, s in self._tiers.items()
-                },
-                packed=self._packed,
-                deduplicated=self._deduplicated,
-                kept=self._kept,
-                kept_bytes=self._kept_bytes,
-                recomputed=self._recomputed,
-                recomputed_bytes=self._recomputed_bytes,
-                prefetch_hits=reads.hits,
-                prefetch_misses=reads.misses,
-                bytes_prefetched=reads.prefetched_bytes,
-                unpack_wait_s=reads.unpack_wait_s,
-                pack_wait_s=writes.pack_wait_s,
-                host_pool_bytes=pinned.reserved_bytes if pinned is not None else 0,
-                host_pool_misses=pinned.allocations_outside if pinned is not None else 0,
-                disk_io=backend.io_path if backend is not None else None,
-                failed_writes=writes.failed_writes,
-                prefetch_window_bytes=reads.limit.bytes,
-                prefetch_stalls=reads.limit.stalls,
-                write_queue_limit_bytes=writes.limit.bytes,
-                pack_waits=writes.limit.stalls,
-                buffer_bytes_in_use=buffers.used_bytes if buffers is not None else 0,
-                buffer_misses=buffers.allocations_outside if buffers is not None else 0,
-            )
+            if self._final is not None:
+                return self._final
+            if not self._closed:
+                self._writes.wait(self._writes.futures(dead_only=True), self._unlocked)
+                if self._pipeline.deleting:  # NOTE [ Deletes on the I/O thread ]
+                    self._unlocked(self._pipeline.settle_deletes)
+            return self._snapshot()
+
+    def _snapshot(self) -> Stats:
+        """The counters as they are (under the lock)."""
+        pinned = self._transfers.pinned_pool_if_open
+        buffers = self._transfers.buffers_if_open
+        backend = self._pipeline.backend_if_open
+        reads, writes = self._reads, self._writes
+        return Stats(
+            tiers={
+                name: TierStats(
+                    bytes=s.bytes,
+                    peak_bytes=s.peak,
+                    entries=len(s.entries),
+                    bytes_written=s.written,
+                    bytes_read=s.read,
+                )
+                for name, s in self._tiers.items()
+            },
+            packed=self._packed,
+            deduplicated=self._deduplicated,
+            kept=self._kept,
+            kept_bytes=self._kept_bytes,
+            recomputed=self._recomputed,
+            recomputed_bytes=self._recomputed_bytes,
+            restrided_views=self._restrided_views,
+            prefetch_hits=reads.hits,
+            prefetch_misses=reads.misses,
+            bytes_prefetched=reads.prefetched_bytes,
+            unpack_wait_s=reads.unpack_wait_s,
+            pack_wait_s=writes.pack_wait_s,
+            host_pool_bytes=pinned.reserved_bytes if pinned is not None else 0,
+            host_pool_misses=pinned.allocations_outside if pinned is not None else 0,
+            disk_io=backend.io_path if backend is not None else None,
+            failed_writes=writes.failed_writes,
+            prefetch_window_bytes=reads.limit.bytes,
+            prefetch_stalls=reads.limit.stalls,
+            write_queue_limit_bytes=writes.limit.bytes,
+            pack_waits=writes.limit.stalls,
+            buffer_bytes_in_use=buffers.used_bytes if buffers is not None else 0,
+            buffer_misses=buffers.allocations_outside if buffers is not None else 0,
+        )
 
     def flush(self) -> None:
         """Wait until every queued disk write has ended (and raise if one failed)."""
@@ -494,7 +510,10 @@ class TierManager:
         return str(backend.directory) if backend is not None else None
 
     def close(self) -> None:
-        """Drop every entry, stop the I/O, remove the spill directory. Idempotent."""
+        """Drop every entry, stop the I/O, remove the spill directory. Idempotent.
+
+        :meth:`stats` still answers afterwards, with the final figures.
+        """
         with self._lock:
             if self._closed:
                 return
@@ -516,7 +535,10 @@ class TierManager:
                 state.entries.clear()
                 state.heap.clear()
                 state.bytes = 0
+            final = self._snapshot()
         self._finalizer()
+        with self._lock:  # the pools are gone with the movers: nothing is held now
+            self._final = dataclasses.replace(final, host_pool_bytes=0, buffer_bytes_in_use=0)
 
     # -- placement (NOTE [ Placement ]) -----------------------------------------
 
@@ -553,7 +575,7 @@ class TierManager:
         if tier == "host" and entry.layout is None:
             span, layout = entry.span()
             self._transfers.to_host(entry, span)
-            entry.layout = layout
+            self._laid_out(entry, layout, tier, span.element_size())
         entry.tier = tier
         self._tiers[tier].add(entry, entry.nbytes)
 
@@ -579,11 +601,23 @@ class TierManager:
         else:
             span, layout = entry.span()
         self._transfers.to_host(entry, span, staged=True)
-        entry.layout = layout
+        self._laid_out(entry, layout, "disk", span.element_size())
         entry.tier = "disk"
         entry.footprint = reserve
         state.add(entry, reserve, written=False)  # NOTE [ Write-behind ]: counted when written
         self._writes.submit(entry)
+
+    def _laid_out(self, entry: Entry, layout: codec.Layout, tier: Tier, itemsize: int) -> None:
+        """Give ``entry`` the layout it rests in; a view that comes back dense is never silent.
+
+        NOTE [ Spans ] in codec.py: counted in stats(), warned of once.
+        """
+        first, entry.layout = entry.layout is None, layout
+        if not first or layout.saved_stride is None:  # counted once, when it first left
+            return
+        self._restrided_views += 1
+        if self._restrided_views == 1:
+            warnings.warn(_restrided_warning(entry, layout, tier, itemsize), stacklevel=2)
 
     def _make_room_in_flight(self) -> bool:
         """Backpressure before a new save; whether D2H copies leave it on the device.
@@ -701,6 +735,23 @@ def _dedupe_key(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[Any, ..
         t.dtype,
         t.device,
         t._version,
+    )
+
+
+def _restrided_warning(
+    entry: Entry, layout: codec.Layout, tier: Tier, itemsize: int
+) -> TierstoreWarning:
+    """A saved view comes back dense: why, and how to keep its strides (NOTE [ Spans ])."""
+    assert layout.saved_stride is not None
+    reach = 1 + sum((n - 1) * st for n, st in zip(layout.shape, layout.saved_stride, strict=True))
+    return TierstoreWarning(
+        f"tierstore: a saved view of shape {layout.shape} and strides {layout.saved_stride} "
+        f"reaches across {human_bytes(reach * itemsize)} of storage for "
+        f"{human_bytes(entry.nbytes)} of elements; it comes back from the {tier} tier dense, "
+        f"with strides {layout.stride}, rather than allocate all of that in backward. Its "
+        "values are the same; code that relies on its strides (a custom autograd.Function, a "
+        "compiled graph) sees others. Later ones are only counted, in "
+        "stats().restrided_views; to keep its strides, save it inside tierstore.keep()"
     )
 
 

@@ -219,7 +219,7 @@ class WriteBehind:
         disk = self._tiers["disk"]
         self._transfers.free_host(entry.block)  # the bytes are on disk now
         entry.block = None
-        disk.bytes += record.footprint - entry.footprint  # the reservation was a bound
+        disk.resize(entry.footprint, record.footprint)  # the reservation was a bound
         disk.written += record.footprint  # counted once the bytes are there: never decreases
         entry.footprint = record.footprint
         if entry.key not in self._entries:  # released while it was being written
