@@ -50,8 +50,12 @@ NOTE [ What bench train measures ]
   counters are the device's, reset before every step.
 * Step time: forward, backward and an SGD update, wall clock (CUDA:
   synchronized), median over the measured steps. Every strategy's steps run
-  the same two sampler threads (memory every 1 ms, the store's tiers every
-  5 ms, a no-op where there is no store), so none pays for measuring alone.
+  the same samplers, so none pays for measuring alone: memory every 1 ms in
+  every step; the store's bytes per tier every 5 ms in the warm-up steps
+  only, for every strategy (a no-op where there is no store). ``stats()``
+  takes the store's lock and holds the interpreter for ~20 us a call, a cost
+  only a store would pay, so no timed step polls it: the bytes-per-tier
+  timeline (``tier_timeline``) is the last warm-up step's.
 * Peak memory, the headline. CPU: peak anonymous RSS above the RSS just
   before the first step (model, gradients and optimizer in place), over the
   warm-up and the measured steps, on the default allocator: no ``mallopt``,
@@ -330,6 +334,9 @@ class StrategyResult:
     moved_per_step: float | None = None
     config: dict[str, Any] | None = None
     timeline: dict[str, Any] = field(default_factory=dict)
+    #: The last warm-up step's timeline with bytes per tier (stores only; see
+    #: NOTE [ What bench train measures ]); ``{}`` without a warm-up step.
+    tier_timeline: dict[str, Any] = field(default_factory=dict)
     #: ``budget=F`` rows: the plan after the measured steps (NOTE [ Budget rows ]).
     plan: dict[str, Any] | None = None
 
@@ -861,13 +868,18 @@ class _Bench:
             if step == warmup:
                 before = strategy.stats()
             with progress.phase(f"{strategy.name} step {step + 1}/{n}"):
-                took, peaks, timeline = self._step(strategy, opt, step, base)
+                # NOTE [ What bench train measures ]: the tiers in untimed steps only.
+                took, peaks, timeline = self._step(
+                    strategy, opt, step, base, poll_tiers=step < warmup
+                )
                 progress.advance(1)
             result.peak_bytes.append(peaks.above)
             result.peak_rss_total_bytes = _max_or_none(result.peak_rss_total_bytes, peaks.total)
             result.peak_allocated_bytes = _max_or_none(result.peak_allocated_bytes, peaks.allocated)
             if step < warmup:
                 result.warmup_s.append(took)
+                if timeline["tiers"]:
+                    result.tier_timeline = {"step": step + 1, **timeline}
             else:
                 result.step_s.append(took)
                 result.timeline = {"step": step + 1, **timeline}
@@ -884,8 +896,12 @@ class _Bench:
         base: _Base | None = None,
         *,
         full_gc: bool = False,
+        poll_tiers: bool = False,
     ) -> tuple[float, _Peaks, dict[str, Any]]:
-        """One training step: seconds, peaks above ``base`` (default: now), the timeline."""
+        """One training step: seconds, peaks above ``base`` (default: now), the timeline.
+
+        ``poll_tiers`` also samples the store's bytes per tier (untimed steps).
+        """
         tokens = _tokens(self.settings, step, self.device)
         # In place: the gradients' memory then belongs to the baseline.
         self.model.zero_grad(set_to_none=False)
@@ -896,12 +912,13 @@ class _Bench:
             torch.cuda.reset_peak_memory_stats(self.device)
         if base is None:
             base = self.base()
-        # NOTE [ What bench train measures ]: the same two samplers run in every
-        # strategy's steps; the second reads a store's tiers where there is one.
-        mem = _Sampler(self.memory_now, _SAMPLE_S)
-        tiers = _Sampler(lambda: _tier_bytes(strategy.stats()), _TIER_SAMPLE_S)
-        mem.start()
-        tiers.start()
+        # NOTE [ What bench train measures ]: the same samplers run in every
+        # strategy's steps; the tier one reads a store's tiers where there is one.
+        samplers = [_Sampler(self.memory_now, _SAMPLE_S)]
+        if poll_tiers:
+            samplers.append(_Sampler(lambda: _tier_bytes(strategy.stats()), _TIER_SAMPLE_S))
+        for sampler in samplers:
+            sampler.start()
         try:
             torch.manual_seed(self.settings.seed * 7919 + step)  # the same dropout masks
             start = time.perf_counter()
@@ -914,8 +931,8 @@ class _Bench:
             took = time.perf_counter() - start
             del loss
         finally:
-            samples = mem.stop()
-            tier_samples = [(t, v) for t, v in tiers.stop() if v is not None]
+            samples, *polled = [sampler.stop() for sampler in samplers]
+            tier_samples = [(t, v) for t, v in (polled[0] if polled else []) if v is not None]
         strategy.after_step()
         return took, self._peaks(samples, base), _timeline(samples, tier_samples, base.sampled)
 
@@ -1621,7 +1638,7 @@ def _describe(report: TrainReport) -> str:
 
 
 def plot_train(report: TrainReport, path: str | os.PathLike[str]) -> None:
-    """Memory over one measured step: per strategy, and per tier for a tierstore strategy (PNG).
+    """Memory over the last measured step per strategy; a store's tiers over a warm-up step (PNG).
 
     Raises:
         TierstoreError: matplotlib is not installed.
@@ -1644,15 +1661,16 @@ def plot_train(report: TrainReport, path: str | os.PathLike[str]) -> None:
     top.set_xlabel("seconds into the step")
     top.set_ylabel("MiB")
     top.legend()
-    shown = next((r for r in report.rows if r.timeline.get("tiers", {}).get("t_s")), None)
+    shown = next((r for r in report.rows if r.tier_timeline), None)
     if shown is None:
-        bottom.text(0.5, 0.5, "no tierstore strategy ran", ha="center", va="center")
+        why = "no tierstore strategy ran, or no warm-up step (the tiers are polled there)"
+        bottom.text(0.5, 0.5, why, ha="center", va="center")
         bottom.set_axis_off()
     else:
-        tiers = shown.timeline["tiers"]
+        tl = shown.tier_timeline
+        tiers = tl["tiers"]
         for tier in TIERS:
             bottom.plot(tiers["t_s"], [v / _MIB for v in tiers[tier]], label=f"{tier} tier")
-        tl = shown.timeline
         bottom.plot(
             tl["t_s"],
             [v / _MIB for v in tl["memory_bytes"]],
@@ -1660,7 +1678,10 @@ def plot_train(report: TrainReport, path: str | os.PathLike[str]) -> None:
             color="grey",
             linewidth=0.8,
         )
-        bottom.set_title(f"{shown.name}: bytes per tier during the same step")
+        bottom.set_title(
+            f"{shown.name}: bytes per tier during step {tl['step']}, the last warm-up step "
+            "(no timed step polls the store)"
+        )
         bottom.set_xlabel("seconds into the step")
         bottom.set_ylabel("MiB")
         bottom.legend()
