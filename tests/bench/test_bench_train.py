@@ -584,7 +584,14 @@ def test_budget_and_prefix_rows_match_none_bitwise_and_report_the_plan(tmp_path:
         report.row("budget=0.5").median_step_s / plan["predicted_step_s"]
     )
     assert sum(plan["bytes"].values()) > 0
-    assert "budget=0.5: planned keep " in train.format_train(report)
+    printed = train.format_train(report)
+    assert "budget=0.5: planned keep " in printed
+    assert "saved bytes resident at peak predicted " in printed
+
+
+def test_a_budget_row_without_a_plan_says_n_a() -> None:
+    row = train.StrategyResult("budget=0.5", median_step_s=0.1)
+    assert train._format_plan(row) == "budget=0.5: plan n/a (the store made none)"
 
 
 def test_the_sweep_writes_its_curve(tmp_path: Path) -> None:

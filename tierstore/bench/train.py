@@ -1544,22 +1544,26 @@ def format_train(report: TrainReport) -> str:
         lines.insert(0, _small_model_note(report, saved))
         targets = [t for t in targets if "grad" in t["check"]]
     lines += [_format_target(t) for t in targets]
-    lines += [_format_plan(r) for r in report.rows if r.plan is not None]
+    lines += [_format_plan(r) for r in report.rows if r.name.startswith(BUDGET)]
     return "\n".join(lines)
 
 
 def _format_plan(r: StrategyResult) -> str:
     """A budget row's plan: predicted beside measured (NOTE [ Budget rows ])."""
     plan = r.plan
-    assert plan is not None
+    if plan is None:
+        return f"{r.name}: plan {NA} (the store made none)"
     by = plan["bytes"]
     fits = "" if plan["fits"] else f", below its floor {human_bytes(plan['floor_bytes'])}"
+    peak = plan["measured_by_store_peak_bytes"]
+    measured_peak = NA if peak is None else human_bytes(peak)
     return (
         f"{r.name}: planned keep {human_bytes(by['keep'])}, offload "
         f"{human_bytes(by['offload'])}, rebuild {human_bytes(by['rebuild'])} within "
         f"{human_bytes(plan['budget_bytes'])}{fits}; step predicted "
         f"{plan['predicted_step_s']:.3f} s, measured {r.median_step_s:.3f} s "
-        f"({plan['measured_vs_predicted']:.2f}x)"
+        f"({plan['measured_vs_predicted']:.2f}x); saved bytes resident at peak predicted "
+        f"{human_bytes(plan['predicted_peak_bytes'])}, measured by the store {measured_peak}"
     )
 
 
@@ -1715,12 +1719,18 @@ def plot_sweep(report: TrainReport, path: str | os.PathLike[str]) -> None:
     def point(r: StrategyResult) -> tuple[float, float]:
         return r.peak_memory_bytes / none.peak_memory_bytes, r.median_step_s / none.median_step_s
 
+    # Each line in the order of its knob (blocks checkpointed, budget), not of
+    # its measured memory: a line that doubles back is a finding, not noise.
+    layers = report.model["layers"]
     checkpoints = sorted(
         (r for r in report.rows if r.name.startswith(CHECKPOINT_FIRST) or r.name == "checkpoint"),
-        key=lambda r: r.peak_memory_bytes,
+        key=lambda r: (
+            int(r.name.removeprefix(CHECKPOINT_FIRST)) if r.name[-1].isdigit() else layers
+        ),
     )
     budgets = sorted(
-        (r for r in report.rows if r.name.startswith(BUDGET)), key=lambda r: r.peak_memory_bytes
+        (r for r in report.rows if r.name.startswith(BUDGET)),
+        key=lambda r: r.plan["budget_bytes"] if r.plan is not None else 0,
     )
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for rows, label, style in (
@@ -1732,9 +1742,14 @@ def plot_sweep(report: TrainReport, path: str | os.PathLike[str]) -> None:
             ax.plot(xs, ys, style, label=label)
             for r, x, y in zip(rows, xs, ys, strict=True):
                 ax.annotate(r.name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    for r in budgets:
-        if r.plan is not None:
-            ax.plot(point(r)[0], r.plan["predicted_step_s"] / none.median_step_s, "x", color="grey")
+    predicted = [
+        (point(r)[0], r.plan["predicted_step_s"] / none.median_step_s)
+        for r in budgets
+        if r.plan is not None
+    ]
+    if predicted:
+        xs, ys = zip(*predicted, strict=True)
+        ax.plot(xs, ys, "x", color="grey", label="the budget's plan: predicted step")
     for r in report.rows:
         if r in checkpoints or r in budgets:
             continue
@@ -1746,7 +1761,7 @@ def plot_sweep(report: TrainReport, path: str | os.PathLike[str]) -> None:
         + ")"
     )
     ax.set_ylabel("step time / none's")
-    ax.set_title("My step does not fit: memory against step time (x: the plan's prediction)")
+    ax.set_title("My step does not fit: memory against step time")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
