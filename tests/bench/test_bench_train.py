@@ -666,3 +666,43 @@ def test_every_strategy_runs_the_same_samplers_and_no_timed_step_polls_a_store(
     # The store was polled, in its warm-up step only (step 0).
     assert polled and set(polled) == {("tierstore-file", 0)}
     assert report.row("tierstore-file").tier_timeline["step"] == 1
+
+
+def test_budget_targets_are_issue_21s() -> None:
+    # NOTE [ Budget targets ], on rows made up to land on each side of a target.
+    def row(name: str, step_s: float, peak: int, **plan: Any) -> train.StrategyResult:
+        r = train.StrategyResult(name, median_step_s=step_s, peak_memory_bytes=peak)
+        r.max_grad_diff = 0.0
+        if plan:
+            r.plan = {"bytes": {"keep": 250, "offload": 500, "rebuild": 250}, **plan}
+        return r
+
+    rows = [
+        row("none", 1.0, 1000),
+        row("checkpoint", 1.5, 400),
+        row("disk-naive", 4.0, 200),
+        # Allowed: 400 + 0.25 * 1000 = 650 bytes.
+        row("budget=0.25", 1.2, 390, budget_bytes=250, measured_vs_predicted=1.15),
+        row("budget=0.1", 3.0, 660, budget_bytes=100, measured_vs_predicted=0.8),
+    ]
+    got = {(t["strategy"], t["check"]): (t["value"], t["met"]) for t in train._targets(rows, False)}
+    peak = "peak RSS vs checkpoint's + the budget's share of none's"
+    assert got[("budget=0.25", peak)] == (pytest.approx(390 / 650), True)
+    assert got[("budget=0.1", peak)] == (pytest.approx(660 / 500), False)
+    predicted = "step time vs the plan's prediction"
+    assert got[("budget=0.25", predicted)] == (1.15, True)
+    assert got[("budget=0.1", predicted)] == (0.8, False)
+    assert got[("budget=0.1", "max |grad diff| vs none")] == (0.0, True)
+    # budget=0.25 is below checkpoint on both axes; no row is below disk-naive on both.
+    vs = "the larger of peak RSS and step time vs {}, lowest of the budgets"
+    assert got[("budget=0.25", vs.format("checkpoint"))] == (pytest.approx(390 / 400), True)
+    assert got[("budget=0.25", vs.format("disk-naive"))] == (pytest.approx(390 / 200), False)
+    line = train._format_target(
+        next(t for t in train._targets(rows, False) if t["check"] == predicted)
+    )
+    assert (
+        line
+        == "budget=0.25: step time vs the plan's prediction 1.15x (target within 1 ± 0.15x: met)"
+    )
+    # On CUDA, the gradients only.
+    assert {t["check"] for t in train._targets(rows[3:], True)} == {"max |grad diff| vs none"}
