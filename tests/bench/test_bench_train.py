@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,6 +93,8 @@ def test_every_strategy_matches_none_bitwise(
         assert r["peak_allocated_bytes"] is None and r["peak_live_bytes"] is None, name
         assert r["timeline"]["step"] == 3, name
         assert len(r["timeline"]["t_s"]) == len(r["timeline"]["memory_bytes"]) >= 2, name
+        # No timed step polls a store (NOTE [ What bench train measures ]).
+        assert r["timeline"]["tiers"] == {}, name
         assert r["step_vs_none"] > 0 and r["step_vs_naive"] > 0, name
         if name.startswith("tierstore-"):
             disk = r["tiers"]["disk"]
@@ -102,7 +105,9 @@ def test_every_strategy_matches_none_bitwise(
             assert r["tiers"]["host"]["peak_bytes"] == 0, name
             assert r["config"]["disk_backend"] == name.removeprefix("tierstore-")
             assert r["config"]["device_budget"] == 0 and r["config"]["host_budget"] == 0
-            tiers = r["timeline"]["tiers"]
+            # Bytes per tier over the (only) warm-up step.
+            assert r["tier_timeline"]["step"] == 1, name
+            tiers = r["tier_timeline"]["tiers"]
             assert len(tiers["t_s"]) == len(tiers["disk"]) >= 2 and max(tiers["disk"]) > 0
             rate = r["prefetch"]["hit_rate"]
             assert rate is None or 0.0 <= rate <= 1.0
@@ -116,7 +121,7 @@ def test_every_strategy_matches_none_bitwise(
         else:
             assert r["tiers"] is None and r["prefetch"] is None, name
             assert r["moved_per_step"] is None, name
-            assert r["timeline"]["tiers"] == {}, name
+            assert r["tier_timeline"] == {}, name
     none = doc["rows"][0]
     assert none["step_vs_none"] == pytest.approx(1.0)
     assert none["memory_vs_none"] in (None, pytest.approx(1.0))
@@ -579,7 +584,14 @@ def test_budget_and_prefix_rows_match_none_bitwise_and_report_the_plan(tmp_path:
         report.row("budget=0.5").median_step_s / plan["predicted_step_s"]
     )
     assert sum(plan["bytes"].values()) > 0
-    assert "budget=0.5: planned keep " in train.format_train(report)
+    printed = train.format_train(report)
+    assert "budget=0.5: planned keep " in printed
+    assert "saved bytes resident at peak predicted " in printed
+
+
+def test_a_budget_row_without_a_plan_says_n_a() -> None:
+    row = train.StrategyResult("budget=0.5", median_step_s=0.1)
+    assert train._format_plan(row) == "budget=0.5: plan n/a (the store made none)"
 
 
 def test_the_sweep_writes_its_curve(tmp_path: Path) -> None:
@@ -606,3 +618,91 @@ def test_the_sweep_writes_its_curve(tmp_path: Path) -> None:
     }
     assert sum(r["name"].startswith("budget=") for r in rows) == len(train.SWEEP_BUDGETS)
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_strategy_runs_the_same_samplers_and_no_timed_step_polls_a_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ What bench train measures ]: a sampler's cost must be every row's,
+    # not a store's alone; store.stats() costs only a store, so no timed step
+    # calls it.
+    periods: dict[str, list[list[float]]] = {}
+    now: list[tuple[str, int]] = []
+    polled: list[tuple[str, int]] = []
+    real_step, real_start = train._Bench._step, train._Sampler.start
+    real_stats = train.TierStore.stats
+
+    def step(self: Any, strategy: Any, opt: Any, step: int, *args: Any, **kwargs: Any) -> Any:
+        now[:] = [(strategy.name, step)]
+        periods.setdefault(strategy.name, []).append([])
+        return real_step(self, strategy, opt, step, *args, **kwargs)
+
+    def start(self: Any) -> None:
+        periods[now[0][0]][-1].append(self._period)
+        real_start(self)
+
+    def stats(self: Any) -> Any:
+        if threading.current_thread().name == "tierstore-bench-sampler":
+            polled.append(now[0])
+        return real_stats(self)
+
+    monkeypatch.setattr(train._Bench, "_step", step)
+    monkeypatch.setattr(train._Sampler, "start", start)
+    monkeypatch.setattr(train.TierStore, "stats", stats)
+    settings = train.quick_settings(
+        steps=2,
+        warmup=1,
+        strategies=("none", "checkpoint", "tierstore-file"),
+        directory=str(tmp_path),
+        isolate=False,
+        live_pass=False,
+    )
+    report = train.bench_train(settings, show_progress=False)
+    assert [r.name for r in report.rows] == ["none", "checkpoint", "tierstore-file"]
+    # Per step, the same samplers at the same periods, whatever the strategy:
+    # memory in every step, the tiers in the warm-up step.
+    each = [[train._SAMPLE_S, train._TIER_SAMPLE_S], [train._SAMPLE_S], [train._SAMPLE_S]]
+    assert periods == {name: each for name in ("none", "checkpoint", "tierstore-file")}
+    # The store was polled, in its warm-up step only (step 0).
+    assert polled and set(polled) == {("tierstore-file", 0)}
+    assert report.row("tierstore-file").tier_timeline["step"] == 1
+
+
+def test_budget_targets_are_issue_21s() -> None:
+    # NOTE [ Budget targets ], on rows made up to land on each side of a target.
+    def row(name: str, step_s: float, peak: int, **plan: Any) -> train.StrategyResult:
+        r = train.StrategyResult(name, median_step_s=step_s, peak_memory_bytes=peak)
+        r.max_grad_diff = 0.0
+        if plan:
+            r.plan = {"bytes": {"keep": 250, "offload": 500, "rebuild": 250}, **plan}
+        return r
+
+    rows = [
+        row("none", 1.0, 1000),
+        row("checkpoint", 1.5, 400),
+        row("disk-naive", 4.0, 200),
+        # Allowed: 400 + 0.25 * 1000 = 650 bytes.
+        row("budget=0.25", 1.2, 390, budget_bytes=250, measured_vs_predicted=1.15),
+        row("budget=0.1", 3.0, 660, budget_bytes=100, measured_vs_predicted=0.8),
+    ]
+    got = {(t["strategy"], t["check"]): (t["value"], t["met"]) for t in train._targets(rows, False)}
+    peak = "peak RSS vs checkpoint's + the budget's share of none's"
+    assert got[("budget=0.25", peak)] == (pytest.approx(390 / 650), True)
+    assert got[("budget=0.1", peak)] == (pytest.approx(660 / 500), False)
+    predicted = "step time vs the plan's prediction"
+    assert got[("budget=0.25", predicted)] == (1.15, True)
+    assert got[("budget=0.1", predicted)] == (0.8, False)
+    assert got[("budget=0.1", "max |grad diff| vs none")] == (0.0, True)
+    # budget=0.25 is below checkpoint on both axes; no row is below disk-naive on both.
+    vs = "the larger of peak RSS and step time vs {}, lowest of the budgets"
+    assert got[("budget=0.25", vs.format("checkpoint"))] == (pytest.approx(390 / 400), True)
+    assert got[("budget=0.25", vs.format("disk-naive"))] == (pytest.approx(390 / 200), False)
+    line = train._format_target(
+        next(t for t in train._targets(rows, False) if t["check"] == predicted)
+    )
+    assert (
+        line
+        == "budget=0.25: step time vs the plan's prediction 1.15x (target within 1 ± 0.15x: met)"
+    )
+    # On CUDA, the gradients only.
+    assert {t["check"] for t in train._targets(rows[3:], True)} == {"max |grad diff| vs none"}
