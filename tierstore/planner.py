@@ -14,8 +14,8 @@ Example:
     >>> profile = Profile(saves=saves, forward_s=0.04, backward_s=0.08, other_s=0.0,
     ...                   write_bytes_per_s=10e9, read_bytes_per_s=10e9, window_bytes=64 << 20)
     >>> plan = make_plan(profile, 250 << 20)
-    >>> plan.choices
-    ('offload', 'offload', 'offload', 'keep')
+    >>> plan.choices   # the third's copy would still be in flight when backward starts
+    ('offload', 'offload', 'rebuild', 'keep')
     >>> plan.predicted_peak_bytes <= 250 << 20
     True
 """
@@ -58,10 +58,16 @@ Choice = Literal["keep", "offload", "rebuild"]
 #   2. rebuilds the rest, cheapest per byte first (elementwise ops and norms
 #      before matmuls), until the peak fits;
 #   3. offloads what still does not fit, exposed, earliest saves first;
-# and keeps the fastest plan whose peak fits. Nothing fits: the plan that
-# reaches the lowest peak, with that floor in bytes (the store warns once).
-# Greedy, not optimal: a save's choice is made once. Each step is an O(n)
-# simulation, so planning n saves costs O(n^2) for each window size.
+# besides, it plays plans that free everything (all offloaded; each module
+# rebuilt from its first save: checkpointing). The fastest plan that fits
+# then goes through a second pass (_take_back) that moves any save to any
+# choice that makes the step faster and still fits, most time per byte of
+# peak first: near the floor, where freeing one save at a time gets stuck
+# (a rebuilt block does not fit beside the reads in flight), it turns
+# "everything offloaded" into rebuilds the budget has room for. Nothing
+# fits: the plan that reaches the lowest peak, with that floor in bytes (the
+# store warns once). Greedy, not optimal. Each move is an O(n) simulation,
+# so planning n saves costs O(n^2) for each window size.
 
 
 @dataclass(frozen=True)
@@ -427,6 +433,63 @@ def _plan_for_window(
     return choices, outcome
 
 
+def _take_back(
+    profile: Profile, budget: int, window: int, start: list[Choice], outcome: Outcome
+) -> tuple[list[Choice], Outcome]:
+    """Lazy greedy the other way: from a plan that fits, undo what costs the most time.
+
+    The first pass frees bytes one save at a time and cannot leave a corner
+    (below the bytes one rebuilt block holds, only everything offloaded
+    fits); from such a plan, a move to any other choice is taken when it
+    makes the step faster and the peak still fits: the most time saved per
+    byte it adds to the peak first (moves that add none before all others).
+    Rounds repeat while a round changed something, at most a few.
+    """
+    saves = profile.saves
+    choices = start.copy()
+
+    def price(i: int, choice: Choice) -> tuple[float, float, int] | None:
+        if choices[i] == choice or (
+            choice == "rebuild"
+            and (saves[i].rebuild_s is None or _chains_across(saves, choices, i))
+        ):
+            return None
+        trial = choices.copy()
+        trial[i] = choice
+        tried = simulate(profile, tuple(trial), window)
+        saved = outcome.step_s - tried.step_s
+        if tried.peak_bytes > budget or saved <= 0:
+            return None
+        added = tried.peak_bytes - outcome.peak_bytes
+        return (added > 0, -saved / max(added, 1), i)
+
+    for _ in range(_ROUNDS):
+        heap: list[tuple[bool, float, int, Choice]] = []
+        for i in range(len(saves)):
+            for choice in ("keep", "offload", "rebuild"):
+                found = price(i, choice)
+                if found is not None:
+                    heapq.heappush(heap, (*found, choice))
+        changed = False
+        while heap:
+            _, _, i, choice = heapq.heappop(heap)
+            found = price(i, choice)
+            if found is None:
+                continue
+            if heap and (found[0], found[1]) > (heap[0][0], heap[0][1]):
+                heapq.heappush(heap, (*found, choice))
+                continue
+            choices[i] = choice
+            outcome = simulate(profile, tuple(choices), window)
+            changed = True
+        if not changed:
+            break
+    return choices, outcome
+
+
+_ROUNDS = 3
+
+
 def _choices_of(save: Save) -> tuple[Choice, ...]:
     return ("offload", "rebuild") if save.rebuild_s is not None else ("offload",)
 
@@ -469,6 +532,10 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
         starts = [_all(profile, "keep"), *_lowest_templates(profile)]
         tried = [_plan_for_window(profile, budget_bytes, window, start) for start in starts]
         tried += [(list(c), simulate(profile, c, window)) for c in starts[1:]]
+        fitting = [t for t in tried if t[1].peak_bytes <= budget_bytes]
+        if fitting:
+            fastest = min(fitting, key=lambda t: t[1].step_s)
+            tried.append(_take_back(profile, budget_bytes, window, *fastest))
         for choices, outcome in tried:
             if lowest is None or outcome.peak_bytes < lowest[1].peak_bytes:
                 lowest = (choices, outcome, window)
