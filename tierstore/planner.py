@@ -448,7 +448,7 @@ def _take_back(
     saves = profile.saves
     choices = start.copy()
 
-    def price(i: int, choice: Choice) -> tuple[float, float, int] | None:
+    def price(i: int, choice: Choice) -> tuple[bool, float, int] | None:
         if choices[i] == choice or (
             choice == "rebuild"
             and (saves[i].rebuild_s is None or _chains_across(saves, choices, i))
@@ -466,10 +466,10 @@ def _take_back(
     for _ in range(_ROUNDS):
         heap: list[tuple[bool, float, int, Choice]] = []
         for i in range(len(saves)):
-            for choice in ("keep", "offload", "rebuild"):
+            for choice in _CHOICES:
                 found = price(i, choice)
                 if found is not None:
-                    heapq.heappush(heap, (*found, choice))
+                    heapq.heappush(heap, (found[0], found[1], found[2], choice))
         changed = False
         while heap:
             _, _, i, choice = heapq.heappop(heap)
@@ -477,7 +477,7 @@ def _take_back(
             if found is None:
                 continue
             if heap and (found[0], found[1]) > (heap[0][0], heap[0][1]):
-                heapq.heappush(heap, (*found, choice))
+                heapq.heappush(heap, (found[0], found[1], found[2], choice))
                 continue
             choices[i] = choice
             outcome = simulate(profile, tuple(choices), window)
@@ -488,6 +488,7 @@ def _take_back(
 
 
 _ROUNDS = 3
+_CHOICES: tuple[Choice, ...] = ("keep", "offload", "rebuild")
 
 
 def _choices_of(save: Save) -> tuple[Choice, ...]:
