@@ -190,13 +190,13 @@ def test_h100_near_the_floor_is_not_everything_offloaded() -> None:
 
 
 # Issue 21 asks for 1.05x at 0.5x, 1.10x at 0.37x and 1.15x at 0.30x; the
-# planner predicts 1.08x, 1.135x and 1.64x. Bounds, in this model: at the
+# planner predicts 1.08x, 1.14x and 1.70x. Bounds, in this model: at the
 # boundary of forward and backward, offload can have freed at most what the
 # link moved during forward (55 GB/s x 16 ms = 0.82 GiB); the rest must be
 # rebuilt, each op at what it cost in forward. At 0.5x 3.8 GiB must go:
 # 0.82 GiB offloaded, the cheap saves (norms, gelu: 2.1 GiB) rebuilt in
 # 1.5 ms, then 0.9 GiB of matmul and attention outputs at 3.6 ms/GiB: 1.068x
-# at best. At 0.37x the same sum gives 1.118x. At 0.30x (0.01x above the
+# at best. At 0.37x the same sum gives 1.118x. At 0.30x (0.03x above the
 # floor) a rebuilt MLP does not fit beside the reads in flight, so the link
 # is exposed: offloading each block's input and attention output and
 # rebuilding the rest needs 0.31x (1.18x). The issue's targets price a
@@ -215,7 +215,8 @@ def test_floor_is_about_030x() -> None:
     plan = make_plan(profile, 0)
     assert not plan.fits
     assert plan.predicted_peak_bytes == plan.floor_bytes
-    assert 0.28 < (BASE + plan.floor_bytes) / NONE_BYTES < 0.30
+    # BASE (0.255x), the head's save, and one save (fc1's) in flight: 0.274x.
+    assert 0.26 < (BASE + plan.floor_bytes) / NONE_BYTES < 0.30
 
 
 def _chain(n: int, *, rebuild_s: float | None = 0.001, nbytes: int = 100 * MIB) -> Profile:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ import tierstore
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.config import human_bytes
 from tierstore.recompute import Recipe
+from tierstore.store import TierManager
 
 from .conftest import assert_empty
 
@@ -314,3 +316,59 @@ def test_without_a_budget_there_is_no_plan(spill_root: Path) -> None:
                 _step(model, step)
         assert store.plan() is None
         assert store._manager.plans is None
+
+
+def test_a_slow_disk_cannot_grow_the_write_queue_past_the_plan(
+    budget_store: Callable[..., tierstore.TierStore],
+) -> None:
+    # Forward waiting on the write queue doubles its limit (NOTE [ In-flight
+    # sizing ]). Under a plan the queue is resident bytes the budget pays for:
+    # it grows up to the plan's window, not up to write_queue_bytes.
+    store = budget_store(0.3)
+    model = _model()
+    for step in range(3):
+        with store.offload():
+            _step(model, step)
+    plan = store.plan()
+    assert plan is not None
+    pipeline = store._manager._pipeline
+    pipeline.open_backend()
+    disk = pipeline.backend_if_open
+    assert disk is not None
+    real_store = disk._store
+
+    def slow_store(*args: Any) -> Any:
+        time.sleep(0.02)
+        return real_store(*args)
+
+    disk._store = slow_store  # type: ignore[method-assign]
+    for step in range(3, 6):
+        with store.offload():
+            _step(model, step)
+        assert store.stats().write_queue_limit_bytes <= plan.window_bytes
+
+
+def test_the_safe_placement_holds_a_fraction_in_flight(
+    budget_store: Callable[..., tierstore.TierStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before a profile, a fractional budget's bytes are not known; the write
+    # queue and the reads ahead are bounded by its share of what the step has
+    # saved so far (the window lets one read over: the largest save).
+    peaks: list[int] = []
+    note = TierManager._note_resident
+
+    def noted(self: TierManager) -> None:
+        note(self)
+        peaks[-1] = max(peaks[-1], self._resident_peak)
+
+    monkeypatch.setattr(TierManager, "_note_resident", noted)
+    store = budget_store(0.3)
+    model = _model()
+    for step in range(3):
+        peaks.append(0)
+        with store.offload():
+            _step(model, step)
+    plan = store.plan()
+    assert plan is not None
+    largest = max(s.nbytes for s in plan.profile.saves)
+    assert 0 < max(peaks[:2]) <= plan.budget_bytes + largest

@@ -256,7 +256,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
         if choice == "keep":
             kept += save.nbytes
         elif choice == "offload":
-            while queue and queued + save.nbytes > profile.window_bytes:
+            while queue and queued > window_bytes:  # the store's backpressure, then the save
                 done, nbytes = queue.popleft()
                 exposed[i] += done - now
                 stall += done - now

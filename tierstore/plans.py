@@ -30,11 +30,14 @@ __all__ = ["PlanRunner", "budget_bytes"]
 #     the plan): the safe placement, which meets any budget without knowing
 #     the step (the newest saves kept up to a budget given in bytes less the
 #     bytes in flight, the rest offloaded; with a fraction, whose bytes are
-#     not known yet, everything offloaded), while each save is written down:
+#     not known yet, everything offloaded, with the write queue and the reads
+#     ahead bounded by the fraction of what the step has saved so far),
+#     while each save is written down:
 #     its bytes, the op and module that made it, what a rebuild would cost
 #     and read, and when forward saved it and backward first used it, with
 #     the waits taken out. The link's rates come from the I/O it did.
-#   * planned: each save does what the plan says, in save order. A save that
+#   * planned: each save does what the plan says, in save order, with the
+#     plan's window bounding the write queue and the reads ahead alike. A save that
 #     differs from the profile's at its place (another size, another
 #     branch, more saves) ends the plan for the rest of the step: the tier
 #     manager returns to the safe placement, counting what the plan kept so
@@ -87,6 +90,7 @@ class _Step:
     rows: list[_Row] = field(default_factory=list)
     row_of_key: dict[int, int] = field(default_factory=dict)
     fixed_bytes: int = 0
+    saved_bytes: int = 0  # new bytes saved so far, fixed ones included
     waits_at_start: float = 0.0
     backward_at: float | None = None  # when backward first used a save, waits out
     last_use: float = 0.0
@@ -170,6 +174,19 @@ class PlanRunner:
         in_flight = int(self._config.prefetch_bytes) + int(self._config.write_queue_bytes)
         return max(0, int(self.budget) - in_flight)
 
+    def safe_in_flight_bytes(self) -> int | None:
+        """In a profiled step under a fractional budget: that share of what it saved so far.
+
+        The step's saved bytes are known only as it runs, and the budget is at
+        least its share of them: the safe placement keeps nothing, and this
+        bounds what it holds in flight (the write queue in forward, the reads
+        ahead in backward). ``None`` where the plan or a size bounds it.
+        """
+        step = self._step
+        if step is None or not step.profiling or not isinstance(self.budget, float):
+            return None
+        return int(self.budget * step.saved_bytes)
+
     def _begin(self) -> _Step:
         profiling = self.plan is None
         step = _Step(time.perf_counter(), profiling, waits_at_start=self._now_waits())
@@ -209,6 +226,7 @@ class PlanRunner:
         step = self._step if self._step is not None else self._begin()
         if step.profiling:
             step.fixed_bytes += nbytes
+            step.saved_bytes += nbytes
 
     def saved(
         self,
@@ -233,6 +251,7 @@ class PlanRunner:
         again = key in step.row_of_key
         if not again:
             step.row_of_key[key] = len(step.rows)
+            step.saved_bytes += nbytes
         row = _Row(nbytes, again, op, module, self._compute_now(step), rebuild_s, inputs)
         step.rows.append(row)
 

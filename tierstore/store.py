@@ -321,8 +321,14 @@ class TierManager:
             line = runner.step_ended(self._resident_peak)
             self._resident_peak = 0
             plan = runner.plan
-            window = plan.window_bytes if plan is not None else int(self.config.prefetch_bytes)
-            self._reads.limit.bound(window)
+            # The plan's window bounds both ways: the write queue is resident
+            # too, and a queue grown past the plan's would break the budget.
+            self._reads.limit.bound(
+                plan.window_bytes if plan is not None else int(self.config.prefetch_bytes)
+            )
+            self._writes.limit.bound(
+                plan.window_bytes if plan is not None else int(self.config.write_queue_bytes)
+            )
             warning, runner.warning = runner.warning, None
             return line, warning
 
@@ -360,6 +366,11 @@ class TierManager:
             self._check_version(entry, handle)
             first = not self._schedule.unpacking
             self._schedule.unpacked(entry.key)
+            if first and self.plans is not None:
+                safe = self.plans.safe_in_flight_bytes()
+                if safe is not None:  # NOTE [ Planned steps ]: the safe placement's reads
+                    held = self._writes.queued_bytes + self._tiers["device"].bytes
+                    self._reads.limit.bound(max(safe - held, 1))
             if self.plans is not None:
                 self._note_resident()
             if entry.tier == "device":
@@ -625,7 +636,9 @@ class TierManager:
         The write queue waits (NOTE [ Write-behind ]); D2H copies never do:
         NOTE [ Copies in flight ].
         """
-        self._writes.make_room(self._unlocked)
+        self._writes.make_room(
+            self._unlocked, None if self.plans is None else self.plans.safe_in_flight_bytes()
+        )
         cap = self._writes.limit.cap_bytes
         device = self._tiers["device"]
         while not self._transfers.copies_over(cap):
