@@ -282,7 +282,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
         nonlocal next_read, held, link_in
         while next_read < len(reads):
             j = reads[next_read]
-            if held and held + saves[j].nbytes > window_bytes:
+            if held >= window_bytes and held:  # as the store tops up: while below the window
                 return
             link_in = max(link_in, at) + saves[j].nbytes / profile.read_bytes_per_s
             ready[j] = link_in
