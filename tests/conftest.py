@@ -60,11 +60,17 @@ def spill_root(tmp_path: Path) -> Path:
     return root
 
 
-def _all_to_disk(spill_root: Path, backend: str, compression: str) -> tierstore.TierConfig:
+def all_to_disk(
+    spill_root: Path,
+    backend: str = "file",
+    compression: str = "none",
+    disk_budget: str = "256MiB",
+) -> tierstore.TierConfig:
+    """Every saved tensor of any size to disk under ``spill_root``."""
     return tierstore.TierConfig(
         device_budget=0,
         host_budget=0,
-        disk_budget="256MiB",
+        disk_budget=disk_budget,
         disk_path=spill_root,
         disk_backend=backend,
         compression=compression,
@@ -75,7 +81,7 @@ def _all_to_disk(spill_root: Path, backend: str, compression: str) -> tierstore.
 @pytest.fixture(params=DISK_VARIANTS)
 def disk_config(request: pytest.FixtureRequest, spill_root: Path) -> tierstore.TierConfig:
     """Every offloadable saved tensor goes to disk, on each backend, compressed and not."""
-    return _all_to_disk(spill_root, *request.param)
+    return all_to_disk(spill_root, *request.param)
 
 
 @pytest.fixture
@@ -93,7 +99,7 @@ def any_store(request: pytest.FixtureRequest, spill_root: Path) -> Iterator[tier
             device_budget=0, host_budget="256MiB", disk_budget=0, min_offload_bytes=0
         )
     else:
-        config = _all_to_disk(spill_root, *request.param)
+        config = all_to_disk(spill_root, *request.param)
     store = tierstore.TierStore(config)
     yield store
     store.close()

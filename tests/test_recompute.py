@@ -26,7 +26,7 @@ from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.handle import Handle
 from tierstore.recompute import Recipe
 
-from .conftest import DISK_VARIANTS, FailingBackward, _all_to_disk, assert_empty, buffers_in_use
+from .conftest import DISK_VARIANTS, FailingBackward, all_to_disk, assert_empty, buffers_in_use
 
 
 def _cheap(config: tierstore.TierConfig) -> tierstore.TierConfig:
@@ -52,7 +52,7 @@ def store(request: pytest.FixtureRequest, spill_root: Path) -> Iterator[tierstor
     elif request.param == "device_budget":
         config = tierstore.TierConfig(device_budget="1GiB", disk_budget=0, min_offload_bytes=0)
     else:
-        config = _all_to_disk(spill_root, *request.param)
+        config = all_to_disk(spill_root, *request.param)
     with tierstore.TierStore(_cheap(config)) as s:
         yield s
 
@@ -175,7 +175,7 @@ def test_stored_bytes_go_down_and_reads_are_not_repeated(spill_root: Path) -> No
     model, x = _decoder(), _input()
     moved = {}
     for setting in ("off", "cheap"):
-        config = _all_to_disk(spill_root, "file", "none").model_copy(update={"recompute": setting})
+        config = all_to_disk(spill_root, "file", "none").model_copy(update={"recompute": setting})
         with tierstore.TierStore(config) as s:
             for _ in range(2):
                 _run(model, x, s)
@@ -737,7 +737,7 @@ def test_a_rebuilt_tensor_lives_in_the_stores_pool_until_autograd_drops_it(
 ) -> None:
     # NOTE [ Rebuilt tensors in the store's memory ]: not the process heap.
     # No read-ahead: only the reads this test makes are in flight.
-    config = _cheap(_all_to_disk(spill_root, "file", "none")).model_copy(
+    config = _cheap(all_to_disk(spill_root, "file", "none")).model_copy(
         update={"prefetch_bytes": 0}
     )
     x = torch.randn(256, 256, requires_grad=True)
@@ -766,7 +766,7 @@ def test_a_rebuilt_tensor_lives_in_the_stores_pool_until_autograd_drops_it(
 
 def test_the_schedule_prefetches_a_recipes_inputs(spill_root: Path, reads_land_first: None) -> None:
     # Reads land before backward asks: a miss is an entry the plan did not read ahead.
-    config = _cheap(_all_to_disk(spill_root, "file", "none"))
+    config = _cheap(all_to_disk(spill_root, "file", "none"))
     model, x = _decoder(), _input()
     with tierstore.TierStore(config) as s:
         _run(model, x, s)

@@ -11,6 +11,8 @@ import tierstore
 from tierstore import codec
 from tierstore.stats import Stats, TierStats
 
+from .conftest import all_to_disk
+
 _MIB = 1 << 20
 
 
@@ -128,14 +130,7 @@ def test_disk_reservation_bounds_the_record(
 
 
 def test_stats_after_close_are_the_final_figures(spill_root: Path) -> None:
-    config = tierstore.TierConfig(
-        device_budget=0,
-        host_budget=0,
-        disk_budget="64MiB",
-        disk_path=spill_root,
-        min_offload_bytes=0,
-    )
-    store = tierstore.TierStore(config)
+    store = tierstore.TierStore(all_to_disk(spill_root, disk_budget="64MiB"))
     seen = _steps(store, steps=1)
     with store.offload():  # a graph never backpropagated: its bytes are held at close
         y = torch.randn(64, 256, requires_grad=True).exp()

@@ -18,6 +18,8 @@ import torch
 
 import tierstore
 
+from .conftest import all_to_disk
+
 View = Callable[[torch.Tensor], torch.Tensor]
 
 # Views of a contiguous (64, 33) float32 tensor.
@@ -81,15 +83,7 @@ def _config(tier: str, spill_root: Path) -> tierstore.TierConfig:
             device_budget=0, host_budget="64MiB", disk_budget=0, min_offload_bytes=0
         )
     backend, compression = tier.split("-")
-    return tierstore.TierConfig(
-        device_budget=0,
-        host_budget=0,
-        disk_budget="64MiB",
-        disk_path=spill_root,
-        disk_backend=backend,
-        compression=compression,
-        min_offload_bytes=0,
-    )
+    return all_to_disk(spill_root, backend, compression, disk_budget="64MiB")
 
 
 TIERS = ["device", "host", "file-none", "file-zstd", "lmdb-none", "lmdb-zstd"]
