@@ -561,11 +561,11 @@ def test_a_save_made_while_another_waited_is_shared(tmp_path: Path) -> None:
     waiting, saved = threading.Event(), threading.Event()
     real_make_room = mgr._writes.make_room
 
-    def make_room(unlocked: Callable[[Callable[[], object]], None], cap: int | None = None) -> None:
+    def make_room(unlocked: Callable[[Callable[[], object]], None]) -> None:
         if threading.current_thread().name == "first":
             waiting.set()
             unlocked(lambda: saved.wait(JOIN_TIMEOUT_S))
-        real_make_room(unlocked, cap)
+        real_make_room(unlocked)
 
     mgr._writes.make_room = make_room  # type: ignore[method-assign]
     handles: dict[str, Any] = {}

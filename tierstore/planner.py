@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -380,56 +381,81 @@ def _windows(profile: Profile) -> list[int]:
     return out
 
 
+_Key = tuple[float, float]  # a move's price: lower goes first
+
+
+def _greedy(
+    profile: Profile,
+    window: int,
+    choices: list[Choice],
+    outcome: Outcome,
+    *,
+    moves: list[tuple[int, Choice]],
+    price: Callable[[int, Choice, Outcome], _Key | None],
+    done: Callable[[Outcome], bool],
+) -> tuple[Outcome, bool]:
+    """Take the cheapest move of ``moves`` on ``choices`` until ``done``; lazily priced.
+
+    ``price`` (``None``: not a move now) is asked again when a move comes up:
+    one that got dearer than the next goes back. Returns the outcome and
+    whether any move was taken.
+    """
+    heap: list[tuple[float, float, int, Choice]] = []
+    for i, choice in moves:
+        key = price(i, choice, outcome)
+        if key is not None:
+            heap.append((*key, i, choice))
+    heapq.heapify(heap)
+    changed = False
+    while heap and not done(outcome):
+        _, _, i, choice = heapq.heappop(heap)
+        key = price(i, choice, outcome)
+        if key is None:
+            continue
+        if heap and key > heap[0][:2]:
+            heapq.heappush(heap, (*key, i, choice))  # dearer now than the next: look again
+            continue
+        choices[i] = choice
+        outcome = simulate(profile, tuple(choices), window)
+        changed = True
+    return outcome, changed
+
+
 def _plan_for_window(
     profile: Profile, budget: int, window: int, start: tuple[Choice, ...]
 ) -> tuple[list[Choice], Outcome]:
     """Lazy greedy from ``start``: free the bytes that cost the least time per byte first.
 
     A move takes a kept save to offload or rebuild and never raises the peak.
-    A price is simulated again when its move comes up: if the move got dearer
-    than the next, the next goes first.
     """
     saves = profile.saves
     choices = list(start)
-    outcome = simulate(profile, tuple(choices), window)
 
     def dearness(i: int) -> float:
         rebuild = saves[i].rebuild_s
         return math.inf if rebuild is None else rebuild / max(saves[i].nbytes, 1)
 
-    def movable(i: int, choice: Choice) -> bool:
-        return choices[i] == "keep" and (
-            choice == "offload" or not _chains_across(saves, choices, i)
-        )
-
-    def price(i: int, choice: Choice) -> tuple[float, float, int] | None:
-        if not movable(i, choice):
+    def price(i: int, choice: Choice, outcome: Outcome) -> _Key | None:
+        if choices[i] != "keep" or (choice == "rebuild" and _chains_across(saves, choices, i)):
             return None
         trial = choices.copy()
         trial[i] = choice
         tried = simulate(profile, tuple(trial), window)
         if tried.peak_bytes > outcome.peak_bytes:
             return None
-        cost = max(tried.step_s - outcome.step_s, 0.0) / max(saves[i].nbytes, 1)
         # Ties (copies the link hides) go to what is dearest to rebuild, earliest first.
-        return (cost, -dearness(i), i)
+        return (max(tried.step_s - outcome.step_s, 0.0) / max(saves[i].nbytes, 1), -dearness(i))
 
-    heap: list[tuple[float, float, int, Choice]] = []
-    for i in range(len(saves)):
-        for choice in _choices_of(saves[i]):
-            found = price(i, choice)
-            if found is not None:
-                heapq.heappush(heap, (*found, choice))
-    while heap and outcome.peak_bytes > budget:
-        _, _, i, choice = heapq.heappop(heap)
-        found = price(i, choice)
-        if found is None:
-            continue
-        if heap and (found[0], found[1]) > (heap[0][0], heap[0][1]):
-            heapq.heappush(heap, (*found, choice))  # dearer now than the next: look again
-            continue
-        choices[i] = choice
-        outcome = simulate(profile, tuple(choices), window)
+    moves = [(i, c) for i in range(len(saves)) for c in _choices_of(saves[i])]
+    outcome, _ = _greedy(
+        profile,
+        window,
+        choices,
+        simulate(profile, tuple(choices), window),
+        moves=moves,
+        price=price,
+        done=lambda o: o.peak_bytes <= budget,
+    )
     return choices, outcome
 
 
@@ -448,7 +474,7 @@ def _take_back(
     saves = profile.saves
     choices = start.copy()
 
-    def price(i: int, choice: Choice) -> tuple[bool, float, int] | None:
+    def price(i: int, choice: Choice, now: Outcome) -> _Key | None:
         if choices[i] == choice or (
             choice == "rebuild"
             and (saves[i].rebuild_s is None or _chains_across(saves, choices, i))
@@ -457,31 +483,17 @@ def _take_back(
         trial = choices.copy()
         trial[i] = choice
         tried = simulate(profile, tuple(trial), window)
-        saved = outcome.step_s - tried.step_s
+        saved = now.step_s - tried.step_s
         if tried.peak_bytes > budget or saved <= 0:
             return None
-        added = tried.peak_bytes - outcome.peak_bytes
-        return (added > 0, -saved / max(added, 1), i)
+        added = tried.peak_bytes - now.peak_bytes
+        return (float(added > 0), -saved / max(added, 1))
 
+    moves = [(i, c) for i in range(len(saves)) for c in _CHOICES]
     for _ in range(_ROUNDS):
-        heap: list[tuple[bool, float, int, Choice]] = []
-        for i in range(len(saves)):
-            for choice in _CHOICES:
-                found = price(i, choice)
-                if found is not None:
-                    heapq.heappush(heap, (found[0], found[1], found[2], choice))
-        changed = False
-        while heap:
-            _, _, i, choice = heapq.heappop(heap)
-            found = price(i, choice)
-            if found is None:
-                continue
-            if heap and (found[0], found[1]) > (heap[0][0], heap[0][1]):
-                heapq.heappush(heap, (found[0], found[1], found[2], choice))
-                continue
-            choices[i] = choice
-            outcome = simulate(profile, tuple(choices), window)
-            changed = True
+        outcome, changed = _greedy(
+            profile, window, choices, outcome, moves=moves, price=price, done=lambda o: False
+        )
         if not changed:
             break
     return choices, outcome

@@ -188,7 +188,7 @@ class ReadAhead:
     def top_up(self) -> None:
         """Queue reads in schedule order up to the window's limit (NOTE [ Prefetch ])."""
         assert self._pipeline is not None and self._transfers is not None
-        limit = self.limit.bytes
+        limit = self.limit.allowed
         while self.outstanding_bytes() < limit or (limit and not self._window):
             key = self._schedule.next_planned()
             if key is None:

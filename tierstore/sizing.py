@@ -42,7 +42,7 @@ class InFlightLimit:
         0
     """
 
-    __slots__ = ("_min", "_stalled", "bytes", "cap_bytes", "stalls")
+    __slots__ = ("_held_to", "_min", "_stalled", "bytes", "cap_bytes", "stalls")
 
     def __init__(self, cap_bytes: int, start_bytes: int, min_bytes: int) -> None:
         self.cap_bytes = cap_bytes
@@ -50,6 +50,29 @@ class InFlightLimit:
         self.bytes = min(start_bytes, cap_bytes)
         self.stalls = 0
         self._stalled = False
+        self._held_to: int | None = None
+
+    @property
+    def allowed(self) -> int:
+        """The bytes that may be in flight now: the learnt limit, or a hold below it."""
+        return self.bytes if self._held_to is None else min(self.bytes, self._held_to)
+
+    def hold_to(self, nbytes: int | None) -> None:
+        """Hold the limit at ``nbytes`` for now (``None``: let go), learning nothing from it.
+
+        A bound of the moment, such as a fractional activation_budget's share
+        of the bytes a step has saved so far: unlike :meth:`bound` it leaves
+        the learnt limit and its floor as they are.
+
+        Example:
+            >>> from tierstore.sizing import InFlightLimit
+            >>> limit = InFlightLimit(cap_bytes=100, start_bytes=40, min_bytes=4)
+            >>> limit.hold_to(10); limit.allowed, limit.bytes
+            (10, 40)
+            >>> limit.hold_to(None); limit.allowed
+            40
+        """
+        self._held_to = nbytes
 
     def stalled(self) -> None:
         """Something waited for bytes in flight: double the limit, up to its bound."""

@@ -329,6 +329,8 @@ class TierManager:
             self._writes.limit.bound(
                 plan.window_bytes if plan is not None else int(self.config.write_queue_bytes)
             )
+            self._reads.limit.hold_to(None)
+            self._writes.limit.hold_to(None)
             warning, runner.warning = runner.warning, None
             return line, warning
 
@@ -370,7 +372,7 @@ class TierManager:
                 safe = self.plans.safe_in_flight_bytes()
                 if safe is not None:  # NOTE [ Planned steps ]: the safe placement's reads
                     held = self._writes.queued_bytes + self._tiers["device"].bytes
-                    self._reads.limit.bound(max(safe - held, 1))
+                    self._reads.limit.hold_to(max(safe - held, 1))
             if self.plans is not None:
                 self._note_resident()
             if entry.tier == "device":
@@ -636,9 +638,9 @@ class TierManager:
         The write queue waits (NOTE [ Write-behind ]); D2H copies never do:
         NOTE [ Copies in flight ].
         """
-        self._writes.make_room(
-            self._unlocked, None if self.plans is None else self.plans.safe_in_flight_bytes()
-        )
+        if self.plans is not None:  # NOTE [ Planned steps ]: the safe placement's queue
+            self._writes.limit.hold_to(self.plans.safe_in_flight_bytes())
+        self._writes.make_room(self._unlocked)
         cap = self._writes.limit.cap_bytes
         device = self._tiers["device"]
         while not self._transfers.copies_over(cap):

@@ -182,18 +182,17 @@ class WriteBehind:
         self._pipeline.wait(self.futures())
         self.harvest()
 
-    def make_room(self, unlocked: Unlocked, cap: int | None = None) -> None:
+    def make_room(self, unlocked: Unlocked) -> None:
         """Backpressure (NOTE [ Write-behind ]): wait while the queue is over its limit.
 
-        The wait is a stall: the limit grows for the saves after this one
-        (NOTE [ In-flight sizing ]). ``cap``, a bound of the moment (a
-        fractional activation_budget's share of the step so far), lowers the
-        limit for this wait only and is no stall: it does not grow the limit.
+        The wait is a stall, unless a hold (``InFlightLimit.hold_to``) set
+        the limit: the limit grows for the saves after this one
+        (NOTE [ In-flight sizing ]).
         """
-        limit = self.limit.bytes if cap is None else min(self.limit.bytes, cap)
+        limit = self.limit.allowed
         if self.queued_bytes <= limit:
             return
-        if cap is None or limit == self.limit.bytes:
+        if limit == self.limit.bytes:
             self.limit.stalled()
         while self.queued_bytes > limit:
             oldest = self._writing[min(self._writing)].writing
