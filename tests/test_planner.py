@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -33,14 +34,18 @@ MIB = 1 << 20
 # the head's and loss's working tensors) plus the saved bytes resident at the
 # plan's peak. BASE is set so that checkpointing every block (block inputs
 # kept, the rest rebuilt) comes out where the issue measured it, 0.37x of no
-# offload's memory at 1.21x of its time: test_checkpointing_every_block
-# checks both figures, so the model is calibrated on the issue's step.
+# offload's memory; its time, 1.21x, then follows from the FLOPs:
+# test_checkpointing_every_block checks both figures, so the model is
+# calibrated on the issue's step. torch.utils.checkpoint replays a block's
+# whole forward, fc2 too, which this model counts as the next block's x: a
+# plan rebuilds only what backward needs, so it never replays fc2 for
+# nothing (_torch_checkpoint adds it back for the comparison).
 TFLOPS = 600e12
 HBM = 3.0e12
 BLOCKS = 12
 UNIT = int(0.47 * GIB / 16)
 SAVED = BLOCKS * 16 * UNIT + UNIT
-BASE = int(0.255 / 0.745 * SAVED)  # BASE is 0.255x of no offload's memory
+BASE = int(0.2675 / 0.7325 * SAVED)  # BASE is 0.2675x of no offload's memory
 NONE_BYTES = BASE + SAVED
 FORWARD_BLOCK_S = 1.25e-3
 STEP_S = 71e-3
@@ -48,7 +53,7 @@ STEP_S = 71e-3
 
 def _h100_profile() -> Profile:
     mm = {
-        "x": 2 * 8192 * 2048 * 2048 / TFLOPS,  # fc2
+        "x": 2 * 8192 * 8192 * 2048 / TFLOPS,  # fc2: 4d to d
         "qkv": 2 * 8192 * 2048 * 6144 / TFLOPS,
         "attn": 2 * 4 * 2048**2 * 2048 / TFLOPS,
         "x2": 2 * 8192 * 2048 * 2048 / TFLOPS,  # proj
@@ -132,16 +137,27 @@ def _checkpoint_first(profile: Profile, n: int) -> tuple[Choice, ...]:
     )
 
 
+def _torch_checkpoint(profile: Profile, choices: tuple[Choice, ...]) -> float:
+    """The step time of ``choices`` (blocks rebuilt from their inputs) as torch.utils.checkpoint
+    runs them: each rebuilt block's replay also runs its fc2, the next block's x."""
+    blocks = {i // 8 for i, c in enumerate(choices) if c == "rebuild"}
+    fc2 = profile.saves[8].rebuild_s  # block 1's x: block 0's fc2 and residual add
+    assert fc2 is not None
+    return simulate(profile, choices, profile.window_bytes).step_s + len(blocks) * fc2
+
+
 def test_checkpointing_every_block() -> None:
     # The calibration (NOTE [ The H100 step ]): the issue measured 0.37x and 1.21x.
     profile = _h100_profile()
-    out = simulate(profile, _checkpoint_first(profile, BLOCKS), profile.window_bytes)
-    assert (BASE + out.peak_bytes) / NONE_BYTES == pytest.approx(0.37, abs=0.01)
-    assert out.step_s / STEP_S == pytest.approx(1.21, abs=0.03)
+    every = _checkpoint_first(profile, BLOCKS)
+    out = simulate(profile, every, profile.window_bytes)
+    assert (BASE + out.peak_bytes) / NONE_BYTES == pytest.approx(0.37, abs=0.005)
+    assert _torch_checkpoint(profile, every) / STEP_S == pytest.approx(1.21, abs=0.01)
     # and the first 6 blocks: measured 0.68x at 1.10x
-    out = simulate(profile, _checkpoint_first(profile, 6), profile.window_bytes)
+    half = _checkpoint_first(profile, 6)
+    out = simulate(profile, half, profile.window_bytes)
     assert (BASE + out.peak_bytes) / NONE_BYTES == pytest.approx(0.68, abs=0.03)
-    assert out.step_s / STEP_S == pytest.approx(1.10, abs=0.01)
+    assert _torch_checkpoint(profile, half) / STEP_S == pytest.approx(1.10, abs=0.01)
 
 
 @pytest.mark.parametrize("n", range(1, BLOCKS + 1))
@@ -170,43 +186,79 @@ def _checkpoint_and_offload(profile: Profile) -> tuple[Choice, ...]:
 
 def test_h100_within_15_percent_where_checkpointing_plus_offload_reaches() -> None:
     # The issue's lowest measured memory (every block checkpointed plus offload,
-    # 1.22x there; 1.20x in this model, at 0.35x): the planner is within 1.15x.
+    # 1.22x there and in this model): the planner is within 1.15x.
     profile = _h100_profile()
-    lowest = simulate(profile, _checkpoint_and_offload(profile), profile.window_bytes)
-    assert lowest.step_s / STEP_S == pytest.approx(1.20, abs=0.01)
+    choices = _checkpoint_and_offload(profile)
+    lowest = simulate(profile, choices, profile.window_bytes)
+    assert _torch_checkpoint(profile, choices) / STEP_S == pytest.approx(1.22, abs=0.01)
     plan = make_plan(profile, lowest.peak_bytes)
     assert plan.fits
     assert plan.predicted_step_s / STEP_S <= 1.15
 
 
 def test_h100_near_the_floor_is_not_everything_offloaded() -> None:
-    # 0.30x is below what a rebuilt MLP (h2, fc1 and gelu at once) leaves room
+    # 0.31x is below what a rebuilt MLP (h2, fc1 and gelu at once) leaves room
     # for beside the reads in flight: one save at a time from keep-all gets
     # stuck there and everything offloaded (3.5x) was the only plan that fit.
     # The second pass (planner._take_back) rebuilds from that plan what the
-    # budget allows.
-    plan = make_plan(_h100_profile(), _budget(0.30))
+    # budget allows (1.55x).
+    plan = make_plan(_h100_profile(), _budget(0.31))
     assert plan.fits
     assert plan.predicted_step_s / STEP_S < 2.0
     assert plan.bytes_by_choice()["rebuild"] > plan.bytes_by_choice()["offload"]
 
 
-# Issue 21 asks for 1.05x at 0.5x, 1.10x at 0.37x and 1.15x at 0.30x; the
-# planner predicts 1.09x, 1.14x and 1.62x. Bounds, in this model: at the
-# boundary of forward and backward, offload can have freed at most what the
-# link moved during forward (55 GB/s x 16 ms = 0.82 GiB); the rest must be
-# rebuilt, each op at what it cost in forward. At 0.5x 3.8 GiB must go:
-# 0.82 GiB offloaded, the cheap saves (norms, gelu: 2.1 GiB) rebuilt in
-# 1.5 ms, then 0.9 GiB of matmul and attention outputs at 3.6 ms/GiB: 1.068x
-# at best. At 0.37x the same sum gives 1.118x. At 0.30x (0.03x above the
-# floor) a rebuilt MLP does not fit beside the reads in flight, so the link
-# is exposed: offloading each block's input and attention output and
-# rebuilding the rest needs 0.31x (1.18x). The issue's targets price a
-# rebuild below what its op cost in forward. Strict: should the planner or
-# the model reach a target, these fail and must go.
-@pytest.mark.parametrize(("memory", "slowest"), [(0.5, 1.05), (0.37, 1.10), (0.30, 1.15)])
-@pytest.mark.xfail(strict=True, reason="below the bound this profile allows; see above")
-def test_h100_issue_targets_out_of_reach(memory: float, slowest: float) -> None:
+def _lower_bound(profile: Profile, budget: int) -> float:
+    """No plan of ``profile`` within ``budget`` is faster than this, in this model.
+
+    At the boundary of forward and backward every save is resident but the
+    ones offloaded and already written (at most what the link moved during
+    forward, more only by stalling forward: a second per write_bytes_per_s
+    bytes) and the ones rebuilt (each costs its op's compute, never hidden).
+    The cheapest mix of the three that frees what the budget asks, taken
+    fractionally, is a bound on the step.
+    """
+    need = profile.saved_bytes - budget - profile.write_bytes_per_s * profile.forward_s
+    stall = 1 / profile.write_bytes_per_s  # seconds a byte, moved by stalling forward
+    per_byte = sorted(
+        [(s.rebuild_s / s.nbytes, s.nbytes) for s in profile.saves if s.rebuild_s is not None]
+    )
+    cost = 0.0
+    for price, nbytes in [*per_byte, (stall, math.inf)]:
+        if need <= 0:
+            break
+        cost += min(price, stall) * min(need, nbytes)
+        need -= nbytes
+    return profile.other_s + profile.forward_s + profile.backward_s + cost
+
+
+@pytest.mark.parametrize("memory", [0.75, 0.6, 0.5, 0.45, 0.4, 0.37])
+def test_h100_within_one_and_a_half_percent_of_the_bound(memory: float) -> None:
+    profile = _h100_profile()
+    plan = make_plan(profile, _budget(memory))
+    bound = _lower_bound(profile, _budget(memory))
+    assert plan.fits
+    assert bound <= plan.predicted_step_s <= 1.015 * bound
+
+
+def test_h100_half_memory_target_is_below_the_bound() -> None:
+    # Issue 21 asks for 1.05x at 0.5x: at 0.5x 3.3 GiB must go by backward's
+    # start; the link moves 0.8 GiB of it during forward, the norms and gelu
+    # (2.1 GiB) are rebuilt in 1.2 ms, and the rest costs what matmuls and
+    # attention cost per byte (3 ms/GiB): 1.056x at best, whatever the plan.
+    profile = _h100_profile()
+    assert _lower_bound(profile, _budget(0.5)) / STEP_S > 1.05
+
+
+# Issue 21 also asks for 1.10x at 0.37x (the bound is 1.099x; the planner
+# predicts 1.110x: the copies still in flight when forward ends and a rebuilt
+# block beside the reads in backward take budget the bound leaves out) and
+# 1.15x at 0.30x, at the floor of this model (test_floor_is_about_030x: the
+# head's save and the largest copies in flight). Strict: should the planner
+# reach a target, these fail and must go.
+@pytest.mark.parametrize(("memory", "slowest"), [(0.37, 1.10), (0.30, 1.15)])
+@pytest.mark.xfail(strict=True, reason="the planner is short of these; see above")
+def test_h100_issue_targets_not_reached(memory: float, slowest: float) -> None:
     plan = make_plan(_h100_profile(), _budget(memory))
     assert plan.fits
     assert plan.predicted_step_s / STEP_S <= slowest
@@ -217,8 +269,9 @@ def test_floor_is_about_030x() -> None:
     plan = make_plan(profile, 0)
     assert not plan.fits
     assert plan.predicted_peak_bytes == plan.floor_bytes
-    # BASE (0.255x), the head's save, and one save (fc1's) in flight: 0.274x.
-    assert 0.26 < (BASE + plan.floor_bytes) / NONE_BYTES < 0.30
+    # BASE (0.2675x), the head's save, and two fc1-sized copies in flight
+    # (the write queue at its window and the save waiting on it): 0.305x.
+    assert 0.29 < (BASE + plan.floor_bytes) / NONE_BYTES < 0.31
 
 
 def _chain(n: int, *, rebuild_s: float | None = 0.001, nbytes: int = 100 * MIB) -> Profile:
