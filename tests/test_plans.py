@@ -11,6 +11,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,9 @@ from torch.utils.checkpoint import checkpoint
 import tierstore
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.config import human_bytes
+from tierstore.pipeline import LinkClock
+from tierstore.planner import Profile, Save, make_plan
+from tierstore.plans import PLANS_KEPT, PlanRunner
 from tierstore.recompute import Recipe
 from tierstore.store import TierManager
 
@@ -193,23 +197,108 @@ def test_another_sequence_length_is_handled_safely_and_planned_again(
     assert plan.profile.saves[0].nbytes == 4 * 15 * 8  # the tokens: planned again, on seq 16
 
 
-def test_a_shorter_step_than_the_profile_leaves_the_plan(
+def _kind(store: tierstore.TierStore) -> str:
+    """What the step that just ran was (it ends when the next block begins)."""
+    runner = store._manager.plans
+    assert runner is not None
+    return "profiled" if runner.profiling else "planned" if runner.planned else "safe"
+
+
+def test_shapes_that_come_and_go_are_each_profiled_once_then_planned(
     budget_store: Callable[..., tierstore.TierStore],
 ) -> None:
     store = budget_store(0.6)
-    model = _model()
-    for step in range(3):
+    model, eager = _model(), _model()
+    seqs = [32, 32, 32, 8, 32, 8, 32, 8, 32, 8]
+    kinds = []
+    for step, seq in enumerate(seqs):
         with store.offload():
-            _step(model, step)
-    assert store.plan() is not None
-    with store.offload():
-        _step(model, 3, seq=8)  # another size at the first save: the safe placement
-    with store.offload():
-        _step(model, 4)  # the deviation ended the plan: this step is profiled
-    assert store.plan() is None
-    with store.offload():
-        _step(model, 5)
-    assert store.plan() is not None
+            got = _step(model, step, seq)
+            kinds.append(_kind(store))
+        _same([got], [_step(eager, step, seq)])
+    assert kinds == [
+        "profiled",  # the store's first step warms up (its profile is not used)
+        "profiled",
+        "planned",
+        "safe",  # another size at the first save, no plan for it: the safe placement
+        "planned",  # a kept shape at its first save: its plan, no profile
+        "profiled",  # the new shape
+        *["planned"] * 4,  # each shape follows its own plan from then on
+    ]
+    runner = store._manager.plans
+    assert runner is not None
+    assert len(runner._plans) == 2
+    assert store.plan() is runner._plans[runner._expected]
+
+
+def test_a_step_that_leaves_its_plan_after_the_first_save_is_profiled_next() -> None:
+    # A later save that differs (another branch) cannot be told apart at the
+    # first save: the next step is profiled whatever its first save. (A budget
+    # that holds everything: plans that keep all agree on what they chose so
+    # far, which a switch at a later save needs.)
+    runner = PlanRunner(
+        tierstore.TierConfig(activation_budget=1.0), LinkClock(), LinkClock(), lambda: 0.0
+    )
+
+    def step(sizes: list[int]) -> str:
+        kinds = set()
+        for key, nbytes in enumerate(sizes):
+            runner.choose(nbytes)
+            kinds.add("profiled" if runner.profiling else "planned" if runner.planned else "safe")
+            if runner.profiling:
+                runner.saved(
+                    key, nbytes=nbytes, op="aten.mm", module="m", rebuild_s=1e-3, input_keys=()
+                )
+        for key in reversed(range(len(sizes))):
+            runner.used(key)
+        runner.step_ended(0)
+        return "planned" if kinds == {"planned"} else "safe" if "safe" in kinds else "profiled"
+
+    a, b = [4096, 4096, 4096], [4096, 8192, 4096]
+    assert [step(a), step(a), step(a)] == ["profiled", "profiled", "planned"]
+    assert step(b) == "safe"  # left the plan at its second save
+    assert step(a) == "profiled"  # the first save matched, yet a profile is due: taken
+    assert step(b) == "safe"  # a's profile again; b still unseen
+    assert step(b) == "profiled"
+    assert [step(a), step(b), step(a)] == ["planned"] * 3
+    assert runner.plan is not None and runner.plan.choices == ("keep",) * 3
+
+
+def test_a_step_moves_to_another_plan_only_if_it_chose_alike_so_far() -> None:
+    runner = PlanRunner(
+        tierstore.TierConfig(activation_budget=1.0), LinkClock(), LinkClock(), lambda: 0.0
+    )
+    a, b = (4096, 4096, 4096), (4096, 8192, 4096)
+    saves = tuple(Save(4096, "aten.mm", "m", 0.1 * i, 0.1 * (3 - i)) for i in range(3))
+    kept = make_plan(Profile(saves, 0.3, 0.6, 0.0, 1e9, 1e9, 8192), 1 << 20)
+    runner._warmed = True
+    runner._use(a, replace(kept, choices=("offload", "keep", "keep")))
+    runner._use(b, kept)  # the plan under way: it keeps the first save
+    assert runner.choose(4096) == "keep"
+    assert runner.choose(4096) is None  # a's plan offloads the first: too late to follow it
+    assert not runner.planned
+    runner.step_ended(0)
+    runner.choose(4096)
+    assert runner.profiling  # left at its second save: the next step is profiled
+
+
+def test_at_most_plans_kept_plans() -> None:
+    runner = PlanRunner(
+        tierstore.TierConfig(activation_budget=0.5), LinkClock(), LinkClock(), lambda: 0.0
+    )
+    for size in range(1, PLANS_KEPT + 4):
+        for _ in range(2):  # warm-up, then profile
+            runner.choose(size * 1024)
+            if runner.profiling:
+                runner.saved(
+                    0, nbytes=size * 1024, op="aten.mm", module="m", rebuild_s=None, input_keys=()
+                )
+            runner.used(0)
+            runner.step_ended(0)
+    assert len(runner._plans) == PLANS_KEPT
+    assert (
+        runner.plan is not None and runner.plan.profile.saves[0].nbytes == (PLANS_KEPT + 3) * 1024
+    )
 
 
 def test_inside_user_checkpointing(budget_store: Callable[..., tierstore.TierStore]) -> None:

@@ -16,7 +16,9 @@ Example:
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.pipeline import LinkClock
@@ -37,11 +39,18 @@ __all__ = ["PlanRunner", "budget_bytes"]
 #     and read, and when forward saved it and backward first used it, with
 #     the waits taken out. The link's rates come from the I/O it did.
 #   * planned: each save does what the plan says, in save order, with the
-#     plan's window bounding the write queue and the reads ahead alike. A save that
-#     differs from the profile's at its place (another size, another
-#     branch, more saves) ends the plan for the rest of the step: the tier
-#     manager returns to the safe placement, counting what the plan kept so
-#     far, and the next step is profiled and planned again.
+#     plan's window bounding the write queue and the reads ahead alike.
+# Plans are kept per shape: the runner keeps the last PLANS_KEPT plans by the
+# sizes of their profile's saves. A save that differs from the plan's at its
+# place (another size, another branch, more saves) moves the step to a kept
+# plan that saved the same sizes so far and chose the same for them (a step
+# of another sequence length differs at its first save, where nothing was
+# chosen yet). With none, the plan ends for the rest of the step: the tier
+# manager returns to the safe placement, counting what the plan kept so
+# far, and a later step of that shape is profiled: the next one that matches
+# no kept plan at its first save, or the next one at all when the step that
+# left the plan had matched one there. So steps whose shapes come and go
+# (buckets of sequence lengths) are each profiled once, then planned.
 # On a machine without an accelerator the disk I/O runs on the step's own
 # cores: the CPU time of the I/O threads in the profiled step is charged to
 # the bytes it moved (Profile.moved_s_per_byte) and taken out of the compute
@@ -59,6 +68,8 @@ __all__ = ["PlanRunner", "budget_bytes"]
 
 #: How far a prediction may be off before the plan is made again, once.
 REFIT_TOLERANCE = 0.10
+#: How many plans, one per shape of step, the runner keeps (NOTE [ Planned steps ]).
+PLANS_KEPT = 8
 
 
 def budget_bytes(budget: int | float, saved_bytes: int) -> int:
@@ -94,7 +105,8 @@ class _Step:
     waits_at_start: float = 0.0
     backward_at: float | None = None  # when backward first used a save, waits out
     last_use: float = 0.0
-    deviated: bool = False
+    deviated_at: int | None = None  # the save that left the plan, matching no kept one
+    sizes: list[int] = field(default_factory=list)  # each save's bytes so far
     written: tuple[int, float] = (0, 0.0)
     read: tuple[int, float] = (0, 0.0)
     io_cpu: float = 0.0  # the I/O threads' CPU seconds when the step began
@@ -135,9 +147,14 @@ class PlanRunner:
         self._waits = waits  # () -> float
         self._io_cpu = io_cpu  # () -> float: the I/O threads' CPU seconds
         self.plan: Plan | None = None
-        self._expected: tuple[int, ...] = ()  # each save's bytes in the profile
+        self._expected: tuple[int, ...] = ()  # each save's bytes in the plan's profile
+        # NOTE [ Planned steps ]: the kept plans, by their saves' bytes, newest last
+        self._plans: OrderedDict[tuple[int, ...], Plan] = OrderedDict()
+        # A step left its plan and matched no kept one: "first" profiles the
+        # next step that matches none at its first save, "any" the next step.
+        self._unseen: Literal["first", "any"] | None = None
         self._step: _Step | None = None
-        self._refitted = False
+        self._refitted: set[tuple[int, ...]] = set()
         self._warmed = False  # the store's first step warms up; the next is the profile
         self.warning: str | None = None  # a floor warning for the caller to issue, once
         self._warned = False
@@ -154,7 +171,7 @@ class PlanRunner:
     def planned(self) -> bool:
         """Whether the step under way follows a plan (and has not left it)."""
         step = self._step
-        return step is not None and not step.profiling and not step.deviated
+        return step is not None and not step.profiling and step.deviated_at is None
 
     @property
     def will_profile(self) -> bool:
@@ -164,8 +181,12 @@ class PlanRunner:
 
     @property
     def rebuilds(self) -> bool:
-        """Whether the plan rebuilds anything (the recorder must run)."""
-        return self.plan is not None and "rebuild" in self.plan.choices
+        """Whether a kept plan rebuilds anything (the recorder must run: a step may switch)."""
+        return any("rebuild" in plan.choices for plan in self._plans.values())
+
+    def window_bytes(self) -> int | None:
+        """The most any kept plan holds in flight each way; ``None`` before the first plan."""
+        return max((plan.window_bytes for plan in self._plans.values()), default=None)
 
     def safe_device_bytes(self) -> int:
         """What the safe placement keeps on the device (NOTE [ Planned steps ])."""
@@ -174,21 +195,28 @@ class PlanRunner:
         in_flight = int(self._config.prefetch_bytes) + int(self._config.write_queue_bytes)
         return max(0, int(self.budget) - in_flight)
 
-    def safe_in_flight_bytes(self) -> int | None:
-        """In a profiled step under a fractional budget: that share of what it saved so far.
+    def in_flight_bytes(self) -> int | None:
+        """What the step under way may hold in flight each way, or ``None``: the limits' own.
 
-        The step's saved bytes are known only as it runs, and the budget is at
-        least its share of them: the safe placement keeps nothing, and this
-        bounds what it holds in flight (the write queue in forward, the reads
-        ahead in backward). ``None`` where the plan or a size bounds it.
+        A planned step: its plan's window (the store's limits are bounded by
+        the largest kept plan's). A profiled step under a fractional budget:
+        that share of what it saved so far. The step's saved bytes are known
+        only as it runs, and the budget is at least its share of them: the
+        safe placement keeps nothing, and this bounds what it holds in
+        flight (the write queue in forward, the reads ahead in backward).
         """
         step = self._step
-        if step is None or not step.profiling or not isinstance(self.budget, float):
+        if step is None:
+            return None
+        if self.planned:
+            assert self.plan is not None
+            return self.plan.window_bytes
+        if not step.profiling or not isinstance(self.budget, float):
             return None
         return int(self.budget * step.saved_bytes)
 
     def _begin(self) -> _Step:
-        profiling = self.plan is None
+        profiling = self.plan is None or self._unseen is not None
         step = _Step(time.perf_counter(), profiling, waits_at_start=self._now_waits())
         step.written = self._writes.snapshot()
         step.read = self._reads.snapshot()
@@ -212,14 +240,37 @@ class PlanRunner:
         step = self._step if self._step is not None else self._begin()
         index = step.index
         step.index += 1
-        if step.profiling or step.deviated:
+        step.sizes.append(nbytes)
+        if step.profiling and index == 0 and self._unseen == "first" and self._switch(step):
+            step.profiling = False  # a kept shape after all: no profile needed
+        if step.profiling or step.deviated_at is not None:
             return None
         assert self.plan is not None
         expected = self._expected
-        if index >= len(expected) or expected[index] != nbytes or step.backward_at is not None:
-            step.deviated = True
+        if step.backward_at is not None or (
+            (index >= len(expected) or expected[index] != nbytes) and not self._switch(step)
+        ):
+            step.deviated_at = index
             return None
         return self.plan.choices[index]
+
+    def _switch(self, step: _Step) -> bool:
+        """Move the step to a kept plan that saved its sizes so far and chose alike."""
+        done = len(step.sizes) - 1  # saves already placed by the plan under way
+        sizes = tuple(step.sizes)
+        chosen = self.plan.choices[:done] if self.plan is not None else ()
+        for expected, plan in reversed(self._plans.items()):
+            if expected[: len(sizes)] == sizes and plan.choices[:done] == chosen:
+                self._use(expected, plan)
+                return True
+        return False
+
+    def _use(self, expected: tuple[int, ...], plan: Plan) -> None:
+        self.plan, self._expected = plan, expected
+        self._plans[expected] = plan
+        self._plans.move_to_end(expected)
+        while len(self._plans) > PLANS_KEPT:
+            self._refitted.discard(self._plans.popitem(last=False)[0])
 
     def kept_fixed(self, nbytes: int) -> None:
         """A save that stays whatever the plan (keep(), small): in every peak."""
@@ -283,8 +334,8 @@ class PlanRunner:
                 self._warmed = True  # lazy initialisation, first allocations: not the step
                 return None
             return self._plan_from(step, total)
-        if step.deviated:
-            self.plan = None  # profile the next step and plan again
+        if step.deviated_at is not None:  # a shape no kept plan has (NOTE [ Planned steps ])
+            self._unseen = "first" if step.deviated_at == 0 else "any"
             return None
         assert self.plan is not None
         self.plan.measured_step_s = total
@@ -301,6 +352,7 @@ class PlanRunner:
         forward = step.backward_at
         backward = max(step.last_use - step.backward_at, 1e-9)
         self._expected = tuple(r.nbytes for r in rows)
+        self._unseen = None
         saves = tuple(
             Save(
                 nbytes=0 if r.again else r.nbytes,
@@ -347,7 +399,8 @@ class PlanRunner:
 
     def _make(self, profile: Profile, verb: str) -> str:
         budget = budget_bytes(self.budget, profile.saved_bytes)
-        plan = self.plan = make_plan(profile, budget)
+        plan = make_plan(profile, budget)
+        self._use(self._expected, plan)
         if not plan.fits and not self._warned:
             self._warned = True
             self.warning = (
@@ -370,9 +423,9 @@ class PlanRunner:
         """NOTE [ Planned steps ]: one correction of the cost of a moved byte."""
         plan = self.plan
         assert plan is not None
-        if self._refitted or measured <= 0:
+        if self._expected in self._refitted or measured <= 0:
             return None
-        self._refitted = True
+        self._refitted.add(self._expected)
         off = abs(measured - plan.predicted_step_s) / measured
         moved = 2 * plan.bytes_by_choice()["offload"]
         if off <= REFIT_TOLERANCE:

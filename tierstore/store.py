@@ -320,14 +320,16 @@ class TierManager:
         with self._locked():
             line = runner.step_ended(self._resident_peak)
             self._resident_peak = 0
-            plan = runner.plan
-            # The plan's window bounds both ways: the write queue is resident
+            # A plan's window bounds both ways: the write queue is resident
             # too, and a queue grown past the plan's would break the budget.
+            # The limits stay within the largest kept plan's window; each
+            # planned step holds them to its own plan's (in_flight_bytes).
+            window = runner.window_bytes()
             self._reads.limit.bound(
-                plan.window_bytes if plan is not None else int(self.config.prefetch_bytes)
+                window if window is not None else int(self.config.prefetch_bytes)
             )
             self._writes.limit.bound(
-                plan.window_bytes if plan is not None else int(self.config.write_queue_bytes)
+                window if window is not None else int(self.config.write_queue_bytes)
             )
             self._reads.limit.hold_to(None)
             self._writes.limit.hold_to(None)
@@ -369,10 +371,11 @@ class TierManager:
             first = not self._schedule.unpacking
             self._schedule.unpacked(entry.key)
             if first and self.plans is not None:
-                safe = self.plans.safe_in_flight_bytes()
-                if safe is not None:  # NOTE [ Planned steps ]: the safe placement's reads
+                bound = self.plans.in_flight_bytes()  # NOTE [ Planned steps ]
+                if bound is not None and not self.plans.planned:  # the safe placement's reads
                     held = self._writes.queued_bytes + self._tiers["device"].bytes
-                    self._reads.limit.hold_to(max(safe - held, 1))
+                    bound = max(bound - held, 1)
+                self._reads.limit.hold_to(bound)
             if self.plans is not None:
                 self._note_resident()
             if entry.tier == "device":
@@ -639,7 +642,7 @@ class TierManager:
         NOTE [ Copies in flight ].
         """
         if self.plans is not None:  # NOTE [ Planned steps ]: the safe placement's queue
-            self._writes.limit.hold_to(self.plans.safe_in_flight_bytes())
+            self._writes.limit.hold_to(self.plans.in_flight_bytes())
         self._writes.make_room(self._unlocked)
         cap = self._writes.limit.cap_bytes
         device = self._tiers["device"]
