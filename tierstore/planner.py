@@ -54,7 +54,10 @@ Choice = Literal["keep", "offload", "rebuild"]
 # simulate() plays one plan through that timeline: a write queue that makes
 # forward wait when it is over the window, reads that start as the window
 # frees, rebuilds that add their compute, and the bytes resident at every
-# save and use. make_plan() then, for each window size it tries:
+# save and use (copies out that forward left going count until they land).
+# make_plan() then, for each window size it tries (the profile's, halved
+# down to the largest save; one copy at a time, ONE_AT_A_TIME, only when
+# none of those fits):
 #   1. gives the link to the saves that are dearest to rebuild per byte
 #      (those that cannot be rebuilt first), as long as it hides them;
 #   2. rebuilds the rest, cheapest per byte first (elementwise ops and norms
@@ -312,8 +315,6 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
             now = ready[j]
 
     issue(now)
-    queued_at_backward = queued
-    first = events[0][2] if events else -1
     n_reads = len(reads)
     for trigger, kind, i in events:
         save = saves[i]
@@ -330,7 +331,9 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
             continue
         if choices[i] == "offload":
             wait(i, i)
-        resident = fixed + kept + (queued_at_backward if i == first else 0) + held + rebuilt
+        while queue and queue[0][0] <= now:  # copies out that forward left still going
+            queued -= queue.popleft()[1]
+        resident = fixed + kept + queued + held + rebuilt
         peak = max(peak, resident)
         if choices[i] == "keep":
             kept -= save.nbytes
@@ -384,6 +387,10 @@ def _backward_events(
             need(i, i)
         events.append((i, "use", i))
     return events, reads
+
+
+#: A window of one byte: one copy in flight each way, each waited for before the next.
+ONE_AT_A_TIME = 1
 
 
 def _windows(profile: Profile) -> list[int]:
@@ -609,11 +616,15 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
     """
     tried: list[tuple[list[Choice], Outcome, int]] = []
     starts = [_all(profile, "keep"), *_lowest_templates(profile)]
-    for window in _windows(profile):
+    fits = False
+    for window in [*_windows(profile), ONE_AT_A_TIME]:
+        if window == ONE_AT_A_TIME and fits:
+            break  # the last resort, for budgets that no window holding a save meets
         first = [_plan_for_window(profile, budget_bytes, window, start) for start in starts]
         first += [(list(c), simulate(profile, c, window)) for c in starts[1:]]
         fitting = [t for t in first if t[1].peak_bytes <= budget_bytes]
         if fitting:
+            fits = True
             first.append(_take_back(profile, budget_bytes, window, *min(fitting, key=_step)))
         tried += [(choices, outcome, window) for choices, outcome in first]
     best: tuple[list[Choice], Outcome, int] | None = None
