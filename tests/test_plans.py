@@ -461,3 +461,38 @@ def test_the_safe_placement_holds_a_fraction_in_flight(
     assert plan is not None
     largest = max(s.nbytes for s in plan.profile.saves)
     assert 0 < max(peaks[:2]) <= plan.budget_bytes + largest
+
+
+def test_io_cpu_time_is_taken_out_of_every_compute_time_the_profile_holds() -> None:
+    # On a CPU the I/O threads share the step's cores: what they spent is
+    # charged to the bytes they moved, and taken out of forward, backward and
+    # each op's rebuild cost alike (they all ran slowed by it).
+    writes = LinkClock()
+    cpu = [0.0]
+    runner = PlanRunner(
+        tierstore.TierConfig(activation_budget=0.5),
+        writes,
+        LinkClock(),
+        lambda: 0.0,
+        lambda: cpu[0],
+    )
+    for _ in range(2):  # warm-up, then the profile
+        for key in range(4):
+            runner.choose(1 << 20)
+            if runner.profiling:
+                runner.saved(
+                    key, nbytes=1 << 20, op="aten.mm", module="m", rebuild_s=0.004, input_keys=()
+                )
+            time.sleep(0.002)
+        writes.started()
+        writes.ended(4 << 20)
+        for key in reversed(range(4)):
+            time.sleep(0.002)
+            runner.used(key)
+        cpu[0] += 1.0  # far more than the step: the correction's floor, half
+        runner.step_ended(0)
+    plan = runner.plan
+    assert plan is not None
+    profile = plan.profile
+    assert [s.rebuild_s for s in profile.saves] == [pytest.approx(0.002)] * 4
+    assert profile.moved_s_per_byte == pytest.approx(1.0 / (4 << 20))

@@ -379,9 +379,7 @@ class PlanRunner:
             per_byte = io_cpu / moved
             compute = forward + backward
             factor = max(0.5, (compute - min(io_cpu, compute)) / compute)
-            saves = tuple(
-                replace(s, forward_s=s.forward_s * factor, use_s=s.use_s * factor) for s in saves
-            )
+            saves = tuple(_scaled_save(s, factor) for s in saves)  # rebuilds ran slowed too
             forward, backward = forward * factor, backward * factor
         profile = Profile(
             saves=saves,
@@ -438,17 +436,19 @@ class PlanRunner:
         return self._make(_scaled(profile, measured / plan.predicted_step_s), "remade")
 
 
+def _scaled_save(save: Save, factor: float) -> Save:
+    """``save`` with its compute times times ``factor``."""
+    return replace(
+        save,
+        forward_s=save.forward_s * factor,
+        use_s=save.use_s * factor,
+        rebuild_s=None if save.rebuild_s is None else save.rebuild_s * factor,
+    )
+
+
 def _scaled(profile: Profile, factor: float) -> Profile:
     """``profile`` with every compute time times ``factor`` (NOTE [ Planned steps ])."""
-    saves = tuple(
-        replace(
-            s,
-            forward_s=s.forward_s * factor,
-            use_s=s.use_s * factor,
-            rebuild_s=None if s.rebuild_s is None else s.rebuild_s * factor,
-        )
-        for s in profile.saves
-    )
+    saves = tuple(_scaled_save(s, factor) for s in profile.saves)
     return replace(
         profile,
         saves=saves,
