@@ -584,9 +584,11 @@ class TierStore:
 
         The store's first step warms up, the second is profiled, and the plan
         is made when the third begins (NOTE [ Planned steps ] in plans.py).
-        ``str()`` of it is a table: per module, the bytes kept, offloaded and
-        rebuilt and the predicted exposed time, then the step's predicted time
-        and peak beside the measured ones (NOTE [ Planned steps ] in plans.py).
+        A plan is kept per shape of step: this is the one the latest step
+        followed or was profiled for. ``str()`` of it is a table: per module,
+        the bytes kept, offloaded and rebuilt and the predicted exposed time,
+        then the step's predicted time and peak beside the measured ones
+        (NOTE [ Planned steps ] in plans.py).
         ``None`` too without ``activation_budget``.
 
         Example:
