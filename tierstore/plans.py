@@ -106,7 +106,6 @@ class _Step:
     backward_at: float | None = None  # when backward first used a save, waits out
     last_use: float = 0.0
     deviated_at: int | None = None  # the save that left the plan, matching no kept one
-    sizes: list[int] = field(default_factory=list)  # each save's bytes so far
     written: tuple[int, float] = (0, 0.0)
     read: tuple[int, float] = (0, 0.0)
     io_cpu: float = 0.0  # the I/O threads' CPU seconds when the step began
@@ -240,27 +239,29 @@ class PlanRunner:
         step = self._step if self._step is not None else self._begin()
         index = step.index
         step.index += 1
-        step.sizes.append(nbytes)
-        if step.profiling and index == 0 and self._unseen == "first" and self._switch(step):
+        if step.profiling and index == 0 and self._unseen == "first" and self._switch(0, nbytes):
             step.profiling = False  # a kept shape after all: no profile needed
         if step.profiling or step.deviated_at is not None:
             return None
         assert self.plan is not None
         expected = self._expected
         if step.backward_at is not None or (
-            (index >= len(expected) or expected[index] != nbytes) and not self._switch(step)
+            (index >= len(expected) or expected[index] != nbytes)
+            and not self._switch(index, nbytes)
         ):
             step.deviated_at = index
             return None
         return self.plan.choices[index]
 
-    def _switch(self, step: _Step) -> bool:
-        """Move the step to a kept plan that saved its sizes so far and chose alike."""
-        done = len(step.sizes) - 1  # saves already placed by the plan under way
-        sizes = tuple(step.sizes)
-        chosen = self.plan.choices[:done] if self.plan is not None else ()
+    def _switch(self, index: int, nbytes: int) -> bool:
+        """Move the step, at save ``index`` of ``nbytes``, to a kept plan that chose alike.
+
+        The saves before it matched the plan under way: their sizes are its.
+        """
+        sizes = (*self._expected[:index], nbytes)
+        chosen = self.plan.choices[:index] if self.plan is not None else ()
         for expected, plan in reversed(self._plans.items()):
-            if expected[: len(sizes)] == sizes and plan.choices[:done] == chosen:
+            if expected[: index + 1] == sizes and plan.choices[:index] == chosen:
                 self._use(expected, plan)
                 return True
         return False

@@ -641,7 +641,7 @@ class TierManager:
         The write queue waits (NOTE [ Write-behind ]); D2H copies never do:
         NOTE [ Copies in flight ].
         """
-        if self.plans is not None:  # NOTE [ Planned steps ]: the safe placement's queue
+        if self.plans is not None:  # NOTE [ Planned steps ]: the plan's or the safe placement's
             self._writes.limit.hold_to(self.plans.in_flight_bytes())
         self._writes.make_room(self._unlocked)
         cap = self._writes.limit.cap_bytes
