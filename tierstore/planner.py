@@ -56,8 +56,10 @@ Choice = Literal["keep", "offload", "rebuild"]
 # frees, rebuilds that add their compute, and the bytes resident at every
 # save and use (copies out that forward left going count until they land).
 # make_plan() then, for each window size it tries (the profile's, halved
-# down to the largest save; one copy at a time, ONE_AT_A_TIME, only when
-# none of those fits):
+# down to a quarter of the largest save, and the largest save: a window
+# below a save's size moves that save alone, which near the floor leaves
+# the budget's room to a rebuilt block beside the reads; one copy at a
+# time, ONE_AT_A_TIME, only when none of those fits):
 #   1. gives the link to the saves that are dearest to rebuild per byte
 #      (those that cannot be rebuilt first), as long as it hides them;
 #   2. rebuilds the rest, cheapest per byte first (elementwise ops and norms
@@ -75,8 +77,8 @@ Choice = Literal["keep", "offload", "rebuild"]
 # so planning n saves costs O(n^2) for each window size; the second pass
 # skips without a simulation the moves that cannot pay (_MoveBounds: a move
 # saves at most the cost it drops plus every wait on the link), which keeps
-# every plan as it was and takes 40% off the time. 385 saves (48 blocks)
-# plan in about 3 s.
+# every plan as it was and takes 40% off the time. 385 saves (48 blocks,
+# five windows) plan in about 5 s.
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
     saves = profile.saves
     exposed = [0.0] * len(saves)
     fixed = profile.fixed_bytes
+    write_rate, read_rate = profile.write_bytes_per_s, profile.read_bytes_per_s
     # Forward: copies out in save order, forward waits while the queue is over the window.
     stall = 0.0
     link_out = -math.inf
@@ -275,10 +278,12 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
                 exposed[i] += done - now
                 stall += done - now
                 now, queued = done, queued - nbytes
-            link_out = max(link_out, now) + save.nbytes / profile.write_bytes_per_s
+            link_out = (link_out if link_out > now else now) + save.nbytes / write_rate
             queue.append((link_out, save.nbytes))
             queued += save.nbytes
-        peak = max(peak, fixed + kept + queued)
+        # Not max(): a call, and simulate() is most of the planner's time.
+        if fixed + kept + queued > peak:  # noqa: PLR1730
+            peak = fixed + kept + queued
     end_forward = profile.forward_s + stall
     while queue and queue[0][0] <= end_forward:
         queued -= queue.popleft()[1]
@@ -298,7 +303,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
             j = reads[next_read]
             if held >= window_bytes and held:  # as the store tops up: while below the window
                 return
-            link_in = max(link_in, at) + saves[j].nbytes / profile.read_bytes_per_s
+            link_in = (link_in if link_in > at else at) + saves[j].nbytes / read_rate
             ready[j] = link_in
             held += saves[j].nbytes
             next_read += 1
@@ -318,7 +323,9 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
     n_reads = len(reads)
     for trigger, kind, i in events:
         save = saves[i]
-        now = max(now, end_forward + saves[trigger].use_s + delay)
+        at = end_forward + saves[trigger].use_s + delay
+        if at > now:  # noqa: PLR1730
+            now = at
         if kind == "rebuild":
             for j in save.inputs:
                 if choices[j] == "offload":
@@ -334,7 +341,8 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
         while queue and queue[0][0] <= now:  # copies out that forward left still going
             queued -= queue.popleft()[1]
         resident = fixed + kept + queued + held + rebuilt
-        peak = max(peak, resident)
+        if resident > peak:  # noqa: PLR1730
+            peak = resident
         if choices[i] == "keep":
             kept -= save.nbytes
         elif choices[i] == "offload":
@@ -394,14 +402,23 @@ ONE_AT_A_TIME = 1
 
 
 def _windows(profile: Profile) -> list[int]:
-    """Window sizes to try: the bound, halved down to the largest save (at least one read)."""
+    """Window sizes to try, largest first: the bound, halved down to a quarter of the largest save.
+
+    Windows below the largest save hold one such copy at a time each way
+    and leave the budget's room to rebuilt blocks (NOTE [ Planning ]).
+    """
     largest = max((s.nbytes for s in profile.saves), default=0)
-    out = [profile.window_bytes]
-    while out[-1] // 2 >= largest and len(out) < 8:
-        out.append(out[-1] // 2)
-    if largest < profile.window_bytes and largest not in out:
-        out.append(largest)
-    return out
+    out = {profile.window_bytes}
+    window = profile.window_bytes
+    while window // 2 >= max(largest // 4, 1) and len(out) < _MOST_WINDOWS:
+        window //= 2
+        out.add(window)
+    if largest < profile.window_bytes:
+        out.add(largest)
+    return sorted(out, reverse=True)
+
+
+_MOST_WINDOWS = 8
 
 
 _Key = tuple[float, float]  # a move's price: lower goes first
@@ -619,7 +636,7 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
     fits = False
     for window in [*_windows(profile), ONE_AT_A_TIME]:
         if window == ONE_AT_A_TIME and fits:
-            break  # the last resort, for budgets that no window holding a save meets
+            break  # the last resort, for budgets that no other window meets
         first = [_plan_for_window(profile, budget_bytes, window, start) for start in starts]
         first += [(list(c), simulate(profile, c, window)) for c in starts[1:]]
         fitting = [t for t in first if t[1].peak_bytes <= budget_bytes]
