@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -60,14 +61,21 @@ __all__ = ["PlanRunner", "budget_bytes"]
 # plan, or the plan gets its measured time and peak beside the predicted.
 # The store's first step only warms up (lazy initialisation and first
 # allocations make it slower than any other); the one after it is profiled.
-# Once, after the first planned step, a prediction more than 10% off is
-# corrected and the plan made again: a step slower than predicted charges the
-# difference to the bytes it moved (moved_s_per_byte: on a CPU, copies and
-# checksums share its cores with the step); a faster one scales the
-# profile's compute times down to it.
+# A prediction more than 10% off is corrected and the plan made again, at
+# two checks per shape: the first planned step (a profile far off is
+# corrected at once) and, for the plan then in use, the median of its first
+# REFIT_STEPS steps (one step is noisy, and a machine's first steps run
+# slower than its later ones: the profile was taken early). A step slower
+# than predicted charges the difference to the bytes it moved
+# (moved_s_per_byte: on a CPU, copies and checksums share its cores with the
+# step); a faster one scales the profile's compute times down to it. After
+# the second check the plan stays: re-planning costs time and a plan that
+# keeps changing cannot be measured.
 
-#: How far a prediction may be off before the plan is made again, once.
+#: How far a prediction may be off before the plan is made again.
 REFIT_TOLERANCE = 0.10
+#: The planned steps whose median the second check compares with the prediction.
+REFIT_STEPS = 3
 #: How many plans, one per shape of step, the runner keeps (NOTE [ Planned steps ]).
 PLANS_KEPT = 8
 
@@ -153,7 +161,7 @@ class PlanRunner:
         # next step that matches none at its first save, "any" the next step.
         self._unseen: Literal["first", "any"] | None = None
         self._step: _Step | None = None
-        self._refitted: set[tuple[int, ...]] = set()
+        self._checks: dict[tuple[int, ...], _Checks] = {}  # NOTE [ Planned steps ]
         self._warmed = False  # the store's first step warms up; the next is the profile
         self.warning: str | None = None  # a floor warning for the caller to issue, once
         self._warned = False
@@ -271,7 +279,7 @@ class PlanRunner:
         self._plans[expected] = plan
         self._plans.move_to_end(expected)
         while len(self._plans) > PLANS_KEPT:
-            self._refitted.discard(self._plans.popitem(last=False)[0])
+            self._checks.pop(self._plans.popitem(last=False)[0], None)
 
     def kept_fixed(self, nbytes: int) -> None:
         """A save that stays whatever the plan (keep(), small): in every peak."""
@@ -353,6 +361,7 @@ class PlanRunner:
         forward = step.backward_at
         backward = max(step.last_use - step.backward_at, 1e-9)
         self._expected = tuple(r.nbytes for r in rows)
+        self._checks.pop(self._expected, None)  # a new profile: its plan is checked afresh
         self._unseen = None
         saves = tuple(
             Save(
@@ -419,22 +428,40 @@ class PlanRunner:
         )
 
     def _refit(self, measured: float) -> str | None:
-        """NOTE [ Planned steps ]: one correction of the cost of a moved byte."""
+        """NOTE [ Planned steps ]: the two checks of a plan's prediction, and the corrections."""
         plan = self.plan
         assert plan is not None
-        if self._expected in self._refitted or measured <= 0:
+        checks = self._checks.setdefault(self._expected, _Checks())
+        if checks.settled or measured <= 0:
             return None
-        self._refitted.add(self._expected)
-        off = abs(measured - plan.predicted_step_s) / measured
-        moved = 2 * plan.bytes_by_choice()["offload"]
-        if off <= REFIT_TOLERANCE:
+        checks.times.append(measured)
+        if len(checks.times) == 1 and not checks.remade:
+            basis = measured
+        elif len(checks.times) == REFIT_STEPS:
+            checks.settled = True
+            basis = statistics.median(checks.times)
+        else:
             return None
+        if abs(basis - plan.predicted_step_s) / basis <= REFIT_TOLERANCE:
+            return None
+        checks.remade = True
+        checks.times.clear()
         profile = plan.profile
+        moved = 2 * plan.bytes_by_choice()["offload"]
         without = plan.predicted_step_s - profile.moved_s_per_byte * moved
-        if measured > plan.predicted_step_s and moved:
-            per_byte = (measured - without) / moved
+        if basis > plan.predicted_step_s and moved:
+            per_byte = (basis - without) / moved
             return self._make(replace(profile, moved_s_per_byte=per_byte), "remade")
-        return self._make(_scaled(profile, measured / plan.predicted_step_s), "remade")
+        return self._make(_scaled(profile, basis / plan.predicted_step_s), "remade")
+
+
+@dataclass
+class _Checks:
+    """A shape's checks of its plan's prediction so far (NOTE [ Planned steps ])."""
+
+    times: list[float] = field(default_factory=list)  # steps under the plan now in use
+    remade: bool = False
+    settled: bool = False
 
 
 def _scaled_save(save: Save, factor: float) -> Save:

@@ -574,8 +574,8 @@ def test_budget_and_prefix_rows_match_none_bitwise_and_report_the_plan(tmp_path:
         ("checkpoint-1", 0.0),
         ("budget=0.5", 0.0),
     ]
-    # Every row ran the three planning steps (NOTE [ Budget rows ]), then the measured one.
-    assert all(len(r.warmup_s) == 3 and len(r.step_s) == 1 for r in report.rows)
+    # Every row ran the five planning steps (NOTE [ Budget rows ]), then the measured one.
+    assert all(len(r.warmup_s) == 5 and len(r.step_s) == 1 for r in report.rows)
     plan = report.row("budget=0.5").plan
     assert plan is not None
     assert plan["table"].splitlines()[0].split()[0] == "module"

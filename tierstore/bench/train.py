@@ -228,10 +228,11 @@ SWEEP_BUDGETS = ("0.05", "0.1", "0.2", "0.35", "0.5", "0.75")
 # otherwise (disk_budget sized like the other disk rows). Its store warms up
 # on the first step, profiles the second and plans the third
 # (NOTE [ Planned steps ] in tierstore/plans.py), and may remake the plan
-# once after it: a run with a budget row runs three more warm-up steps than
-# --warmup, so that the measured steps all follow the plan; every row runs
-# them, so that all reach their last step from the same weights and the
-# gradient check compares like with like. After them an empty offload()
+# after the third step and after the fifth or sixth: a run with a budget row
+# runs five more warm-up steps than --warmup, so that the measured steps all
+# follow the plan that stays; every row runs them, so that all reach their
+# last step from the same weights and the gradient check compares like with
+# like. After them an empty offload()
 # block ends the last step, and the row keeps the plan: its table, its
 # predicted step time and peak, and the store's own measurement of the step.
 
@@ -676,7 +677,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _planning_steps(settings: TrainSettings) -> int:
     """Warm-up steps every row adds when a budget row runs (NOTE [ Budget rows ])."""
-    return 3 if any(n.startswith(BUDGET) for n in settings.strategies) else 0
+    return 5 if any(n.startswith(BUDGET) for n in settings.strategies) else 0
 
 
 def _budget_value(text: str) -> int | float | str:
