@@ -265,7 +265,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
     stall = 0.0
     link_out = -math.inf
     queue: deque[tuple[float, int]] = deque()  # (copy done at, bytes)
-    queued = kept = peak = 0
+    queued = kept = peak = moved = 0
     for i, (save, choice) in enumerate(zip(saves, choices, strict=True)):
         now = save.forward_s + stall
         while queue and queue[0][0] <= now:
@@ -281,6 +281,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
             link_out = (link_out if link_out > now else now) + save.nbytes / write_rate
             queue.append((link_out, save.nbytes))
             queued += save.nbytes
+            moved += 2 * save.nbytes  # out and back
         # Not max(): a call, and simulate() is most of the planner's time.
         if fixed + kept + queued > peak:  # noqa: PLR1730
             peak = fixed + kept + queued
@@ -349,9 +350,8 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
             held -= save.nbytes
         else:
             rebuilt -= save.nbytes
-        if next_read < n_reads:
+        if next_read < n_reads and (held < window_bytes or not held):  # issue()'s test
             issue(now)
-    moved = sum(2 * s.nbytes for s, c in zip(saves, choices, strict=True) if c == "offload")
     step = (
         profile.other_s
         + end_forward
@@ -391,7 +391,11 @@ def _backward_events(
             events.append((trigger, "rebuild", i))
 
     for i in profile.use_order:
-        if choices[i] != "keep":
+        choice = choices[i]
+        if choice == "offload" and i not in seen:  # need(), without a call: most saves
+            seen.add(i)
+            reads.append(i)
+        elif choice == "rebuild":
             need(i, i)
         events.append((i, "use", i))
     return events, reads
