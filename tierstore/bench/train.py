@@ -232,9 +232,9 @@ SWEEP_BUDGETS = ("0.05", "0.1", "0.2", "0.35", "0.5", "0.75")
 # runs five more warm-up steps than --warmup, so that the measured steps all
 # follow the plan that stays; every row runs them, so that all reach their
 # last step from the same weights and the gradient check compares like with
-# like. After them an empty offload()
-# block ends the last step, and the row keeps the plan: its table, its
-# predicted step time and peak, and the store's own measurement of the step.
+# like. After them an empty offload() block ends the last step, and the row
+# keeps the plan: its table, its predicted step time and peak, and the
+# store's own measurement of the step.
 
 #: A tierstore strategy with this suffix runs with ``recompute="cheap"`` (``--recompute``).
 RECOMPUTE_SUFFIX = "+recompute"
