@@ -143,8 +143,9 @@ def test_data_looks_like_activations_not_zeros() -> None:
 def test_a_row_that_reads_back_wrong_bytes_fails(
     bench_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Flip one payload byte of the file backend's first record on disk
-    # between the write and the read phase: the benchmark must fail, here
+    # Flip one payload byte of the record at the start of the file backend's
+    # file between the write and the read phase (which entry that is depends
+    # on which I/O thread allocated first): the benchmark must fail, here
     # through the record's checksum (NOTE [ Record integrity ]), before its
     # own comparison would see the bytes.
     drop = storage._drop_cache
@@ -162,7 +163,7 @@ def test_a_row_that_reads_back_wrong_bytes_fails(
     monkeypatch.setattr(storage, "_drop_cache", corrupt_then_drop)
     with pytest.raises(
         CorruptDataError,
-        match=r"entry 0 on the disk tier \(file backend, .*/entries.bin\) is corrupt: the \d+ "
+        match=r"entry \d+ on the disk tier \(file backend, .*/entries.bin\) is corrupt: the \d+ "
         "payload bytes have checksum",
     ):
         storage.bench_storage(
