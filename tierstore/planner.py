@@ -350,7 +350,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
             held -= save.nbytes
         else:
             rebuilt -= save.nbytes
-        if next_read < n_reads and (held < window_bytes or not held):  # issue()'s test
+        if next_read < n_reads:
             issue(now)
     step = (
         profile.other_s
@@ -391,11 +391,7 @@ def _backward_events(
             events.append((trigger, "rebuild", i))
 
     for i in profile.use_order:
-        choice = choices[i]
-        if choice == "offload" and i not in seen:  # need(), without a call: most saves
-            seen.add(i)
-            reads.append(i)
-        elif choice == "rebuild":
+        if choices[i] != "keep":
             need(i, i)
         events.append((i, "use", i))
     return events, reads
