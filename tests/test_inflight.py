@@ -316,6 +316,29 @@ def test_a_full_pool_writes_from_the_callers_memory(
         assert torch.equal(x.grad, x.detach().exp())
 
 
+@pytest.mark.parametrize("backend", ["file", "lmdb"])
+def test_write_queue_bytes_zero_writes_each_save_before_pack_returns(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    # NOTE [ Write staging ]: no queue, so nothing is staged; the save waits
+    # for its own write, from the caller's memory, as config.py promises.
+    x = torch.randn(64 * 1024, requires_grad=True)  # 256 KiB
+    config = _config(spill_root, disk_backend=backend, write_queue_bytes=0)
+    with tierstore.TierStore(config) as store:
+        with store.offload():
+            h = x * 2
+            y = h.sin()  # saves h
+            stats = store.stats()
+            assert stats.tiers["disk"].bytes_written >= 256 * 1024  # on disk already
+            assert stats.buffer_bytes_in_use == 0  # and never copied into a buffer
+            z = y.exp()  # saves y: written before exp returns, too
+            assert store.stats().tiers["disk"].entries == 2
+        expected = (z.detach() * h.detach().cos() * 2).clone()
+        del h
+        z.sum().backward()
+        assert torch.equal(x.grad, expected)
+
+
 def test_staged_writes_keep_the_eager_version_check(
     spill_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

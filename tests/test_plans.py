@@ -23,7 +23,7 @@ import tierstore
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.config import human_bytes
 from tierstore.pipeline import LinkClock
-from tierstore.planner import Profile, Save, make_plan
+from tierstore.planner import SYNCHRONOUS, Profile, Save, make_plan
 from tierstore.plans import PLANS_KEPT, REFIT_STEPS, PlanRunner
 from tierstore.recompute import Recipe
 from tierstore.store import TierManager
@@ -382,6 +382,29 @@ def test_a_budget_below_the_floor_warns_once_with_the_floor(
     )
     assert floor > 0
     assert budget_warnings[0].filename == __file__
+
+
+def test_below_one_copy_at_a_time_each_save_waits_for_its_write(
+    budget_store: Callable[..., tierstore.TierStore],
+) -> None:
+    # NOTE [ Planning ]: the lowest a step can go from a disk is SYNCHRONOUS,
+    # where only the read backward is using is resident: the largest save.
+    store = budget_store(1)
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tierstore.TierstoreWarning)  # the floor: tested above
+        for step in range(6):
+            with store.offload():
+                _step(model, step)
+    plan = store.plan()
+    assert plan is not None and plan.steps >= 1
+    assert plan.window_bytes == SYNCHRONOUS
+    largest = max(s.nbytes for s in plan.profile.saves)
+    assert plan.floor_bytes == plan.predicted_peak_bytes == largest
+    assert plan.measured_peak_bytes == largest  # by the store, after each take and top-up
+    stats = store.stats()
+    assert (stats.write_queue_limit_bytes, stats.prefetch_window_bytes) == (0, 0)
+    assert_empty(store)
 
 
 def test_one_info_line_per_plan(

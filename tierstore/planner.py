@@ -54,12 +54,19 @@ Choice = Literal["keep", "offload", "rebuild"]
 # simulate() plays one plan through that timeline: a write queue that makes
 # forward wait when it is over the window, reads that start as the window
 # frees, rebuilds that add their compute, and the bytes resident at every
-# save and use (copies out that forward left going count until they land).
+# save and use (copies out that forward left going count until they land;
+# a read made on demand, the window being full, counts until its use).
 # make_plan() then, for each window size it tries (the profile's, halved
 # down to a quarter of the largest save, and the largest save: a window
 # below a save's size moves that save alone, which near the floor leaves
-# the budget's room to a rebuilt block beside the reads; one copy at a
-# time, ONE_AT_A_TIME, only when none of those fits):
+# the budget's room to a rebuilt block beside the reads; then, only when
+# none of those fits, one copy at a time, ONE_AT_A_TIME, and on a disk's
+# link SYNCHRONOUS: each save waits for its own write, from its own memory,
+# and each use reads on demand, as a hook that writes to disk would. Only
+# the read in use is resident then, not a staged write and a read ahead
+# beside it: the lowest the step can go, at the price of every byte moved;
+# not on CUDA, where copies off the device never make forward wait, NOTE
+# [ Copies in flight ] in tierstore/store.py):
 #   1. gives the link to the saves that are dearest to rebuild per byte
 #      (those that cannot be rebuilt first), as long as it hides them;
 #   2. rebuilds the rest, cheapest per byte first (elementwise ops and norms
@@ -216,7 +223,7 @@ class Plan:
                 f"{_size(rebuilt):>10}  {exposed * 1e3:>7.1f}ms"
             )
         lines.append(
-            f"budget {_size(self.budget_bytes)}, window {_size(self.window_bytes)}, "
+            f"budget {_size(self.budget_bytes)}, window {_window(self.window_bytes)}, "
             f"floor {_size(self.floor_bytes)}"
         )
         measured_step = "-" if self.measured_step_s is None else f"{self.measured_step_s:.4g} s"
@@ -226,6 +233,12 @@ class Plan:
             f"peak: predicted {_size(self.predicted_peak_bytes)}, measured {measured_peak}"
         )
         return "\n".join(lines)
+
+
+def _window(n: int) -> str:
+    if n == SYNCHRONOUS:
+        return "none (synchronous)"
+    return "one copy at a time" if n == ONE_AT_A_TIME else _size(n)
 
 
 def _size(n: float) -> str:
@@ -279,9 +292,13 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
                 stall += done - now
                 now, queued = done, queued - nbytes
             link_out = (link_out if link_out > now else now) + save.nbytes / write_rate
-            queue.append((link_out, save.nbytes))
-            queued += save.nbytes
             moved += 2 * save.nbytes  # out and back
+            if window_bytes == SYNCHRONOUS:  # the save waits for its own write
+                exposed[i] += link_out - now
+                stall += link_out - now
+            else:
+                queue.append((link_out, save.nbytes))
+                queued += save.nbytes
         # Not max(): a call, and simulate() is most of the planner's time.
         if fixed + kept + queued > peak:  # noqa: PLR1730
             peak = fixed + kept + queued
@@ -292,7 +309,8 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
     # Backward (NOTE [ Planning ]): what happens, in order, then when.
     events, reads = _backward_events(profile, choices)
     ready: dict[int, float] = {}
-    held = rebuilt = 0
+    ahead: set[int] = set()  # read ahead, not yet asked for
+    held = rebuilt = 0  # held: read (ahead or on demand) and not yet used
     link_in = max(end_forward, link_out) if profile.shared_link else end_forward
     next_read = 0
     delay = 0.0
@@ -302,19 +320,30 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
         nonlocal next_read, held, link_in
         while next_read < len(reads):
             j = reads[next_read]
-            if held >= window_bytes and held:  # as the store tops up: while below the window
+            if j in ready:  # read on demand already
+                next_read += 1
+                continue
+            # As the store tops up (NOTE [ Prefetch ] in tierstore/readahead.py):
+            # while below the window, and one read in flight past a window full
+            # of reads already asked for; SYNCHRONOUS: never.
+            if held >= window_bytes and (ahead or window_bytes == SYNCHRONOUS):
                 return
             link_in = (link_in if link_in > at else at) + saves[j].nbytes / read_rate
             ready[j] = link_in
+            ahead.add(j)
             held += saves[j].nbytes
             next_read += 1
 
     def wait(j: int, charge: int) -> None:
-        nonlocal now, delay
+        nonlocal now, delay, held
         if j not in ready:  # the window is full of reads not yet used: read it now
             issue(now)
-        if j not in ready:
+        if j not in ready:  # held until its use, as a read ahead is
             ready[j] = now + saves[j].nbytes / profile.read_bytes_per_s
+            held += saves[j].nbytes
+        elif j in ahead:  # asked for: the store tops up behind it
+            ahead.discard(j)
+            issue(now)
         if ready[j] > now:
             exposed[charge] += ready[j] - now
             delay += ready[j] - now
@@ -399,6 +428,8 @@ def _backward_events(
 
 #: A window of one byte: one copy in flight each way, each waited for before the next.
 ONE_AT_A_TIME = 1
+#: No window: each save waits for its own write, each use reads on demand.
+SYNCHRONOUS = 0
 
 
 def _windows(profile: Profile) -> list[int]:
@@ -634,9 +665,12 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
     tried: list[tuple[list[Choice], Outcome, int]] = []
     starts = [_all(profile, "keep"), *_lowest_templates(profile)]
     fits = False
-    for window in [*_windows(profile), ONE_AT_A_TIME]:
-        if window == ONE_AT_A_TIME and fits:
-            break  # the last resort, for budgets that no other window meets
+    # The last resorts, for budgets that no larger window meets; forward
+    # waits for a write only on a disk's link (NOTE [ Planning ]).
+    last = (ONE_AT_A_TIME, SYNCHRONOUS) if profile.shared_link else (ONE_AT_A_TIME,)
+    for window in [*_windows(profile), *last]:
+        if window in last and fits:
+            break
         first = [_plan_for_window(profile, budget_bytes, window, start) for start in starts]
         first += [(list(c), simulate(profile, c, window)) for c in starts[1:]]
         fitting = [t for t in first if t[1].peak_bytes <= budget_bytes]
@@ -647,7 +681,10 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
     best: tuple[list[Choice], Outcome, int] | None = None
     lowest: tuple[list[Choice], Outcome, int] | None = None
     for choices, outcome, window in tried:
-        if lowest is None or outcome.peak_bytes < lowest[1].peak_bytes:
+        if lowest is None or (outcome.peak_bytes, outcome.step_s) < (
+            lowest[1].peak_bytes,
+            lowest[1].step_s,
+        ):
             lowest = (choices, outcome, window)
         if outcome.peak_bytes <= budget_bytes and (best is None or outcome.step_s < best[1].step_s):
             best = (choices, outcome, window)

@@ -42,10 +42,11 @@ class InFlightLimit:
         0
     """
 
-    __slots__ = ("_held_to", "_min", "_stalled", "bytes", "cap_bytes", "stalls")
+    __slots__ = ("_held_to", "_least", "_min", "_stalled", "bytes", "cap_bytes", "stalls")
 
     def __init__(self, cap_bytes: int, start_bytes: int, min_bytes: int) -> None:
         self.cap_bytes = cap_bytes
+        self._least = min_bytes
         self._min = min(min_bytes, cap_bytes)
         self.bytes = min(start_bytes, cap_bytes)
         self.stalls = 0
@@ -81,9 +82,21 @@ class InFlightLimit:
         self.bytes = min(self.cap_bytes, max(2 * self.bytes, self._min))
 
     def bound(self, cap_bytes: int) -> None:
-        """A new upper bound (a plan's window); the limit and its floor follow it down."""
+        """A new upper bound (a plan's window); the limit follows it down, its floor both ways.
+
+        A bound of 0 (a synchronous plan) leaves the limit at 0 until a
+        larger bound: the next step then starts it at the floor again.
+
+        Example:
+            >>> from tierstore.sizing import InFlightLimit
+            >>> limit = InFlightLimit(cap_bytes=100, start_bytes=40, min_bytes=4)
+            >>> limit.bound(0); limit.bytes
+            0
+            >>> limit.bound(100); limit.step_started(); limit.bytes
+            4
+        """
         self.cap_bytes = cap_bytes
-        self._min = min(self._min, cap_bytes)
+        self._min = min(self._least, cap_bytes)
         self.bytes = min(self.bytes, cap_bytes)
 
     def step_started(self) -> None:

@@ -292,6 +292,12 @@ class TierManager:
             with contextlib.suppress(TypeError):  # storages that refuse weak references
                 self._dedupe[dedupe_key] = (weakref.ref(storage), entry.key)
                 entry.dedupe_key = dedupe_key
+            if self._writes and self._writes.synchronous:  # NOTE [ Write staging ]
+                try:
+                    self._writes.finish(self._unlocked)
+                except BaseException:  # Ctrl-C in the wait, say: no handle will release it
+                    self._release_locked(entry.key)
+                    raise
             if self.plans is not None:
                 self._note_resident()
             return self._handle(entry, t)
@@ -376,22 +382,28 @@ class TierManager:
                     held = self._writes.queued_bytes + self._tiers["device"].bytes
                     bound = max(bound - held, 1)
                 self._reads.limit.hold_to(bound)
-            if self.plans is not None:
+            got = self._fetch(entry, first)
+            if self.plans is not None:  # with this entry taken and the reads topped up
                 self._note_resident()
-            if entry.tier == "device":
-                assert entry.tensor is not None
-                self._reads.passed(first=first)  # NOTE [ Prefetch ]
-                return entry.tensor
-            if entry.tier == "host":
-                span, layout = entry.span()
-                self._tiers["host"].read += entry.nbytes
-                if span.device == entry.device:  # CPU: the host tier is the device's memory
-                    return codec.from_span(span, layout, self._transfers.allocator(span.device))
-                return self._reads.from_host(entry, span, layout, first=first)
-            got = self._reads.from_disk(entry, first=first)
         if isinstance(got, torch.Tensor):
             return got
         return self._reads.finish(entry, got, self._lock)  # waits outside the lock
+
+    def _fetch(
+        self, entry: Entry, first: bool
+    ) -> torch.Tensor | concurrent.futures.Future[torch.Tensor]:
+        """``entry``'s tensor, or the read to wait for with the lock released."""
+        if entry.tier == "device":
+            assert entry.tensor is not None
+            self._reads.passed(first=first)  # NOTE [ Prefetch ]
+            return entry.tensor
+        if entry.tier == "host":
+            span, layout = entry.span()
+            self._tiers["host"].read += entry.nbytes
+            if span.device == entry.device:  # CPU: the host tier is the device's memory
+                return codec.from_span(span, layout, self._transfers.allocator(span.device))
+            return self._reads.from_host(entry, span, layout, first=first)
+        return self._reads.from_disk(entry, first=first)
 
     @staticmethod
     def _check_version(entry: Entry, handle: Handle) -> None:
@@ -616,12 +628,13 @@ class TierManager:
             span, layout = codec.to_span(entry.tensor, self._transfers.allocator(entry.device))
         else:
             span, layout = entry.span()
-        self._transfers.to_host(entry, span, staged=True)
+        # NOTE [ Write staging ]: nothing is staged for a write put() waits for.
+        self._transfers.to_host(entry, span, staged=not self._writes.synchronous)
         self._laid_out(entry, layout, "disk", span.element_size())
         entry.tier = "disk"
         entry.footprint = reserve
         state.add(entry, reserve, written=False)  # NOTE [ Write-behind ]: counted when written
-        self._writes.submit(entry)
+        self._writes.submit(entry)  # waited for by put() when synchronous
 
     def _laid_out(self, entry: Entry, layout: codec.Layout, tier: Tier, itemsize: int) -> None:
         """Give ``entry`` the layout it rests in; a view that comes back dense is never silent.

@@ -64,7 +64,11 @@ __all__ = ["WriteBehind"]
 # file backend's O_DIRECT path moves it without a bounce copy (NOTE [ File
 # backend O_DIRECT ]). Spans that are already a copy (a compact copy of a view, a
 # pinned block) and CPU entries of the host tier are not copied again; a
-# full pool writes from the original, as before.
+# full pool writes from the original, as before. With no queue at all
+# (write_queue_bytes=0, or a plan's SYNCHRONOUS window: NOTE [ Planning ] in
+# tierstore/planner.py) nothing is staged: the save waits, with the lock
+# released, for its own write from the caller's memory, which forward holds
+# meanwhile anyway, as a hook that writes synchronously does.
 
 # NOTE [ Failed writes ]
 # A write that fails (ENOSPC, EIO, a full LMDB map) has put nothing on the
@@ -132,6 +136,11 @@ class WriteBehind:
     def __contains__(self, key: int) -> bool:
         return key in self._writing
 
+    @property
+    def synchronous(self) -> bool:
+        """Whether no write may be queued now: a save waits for its own (NOTE [ Write staging ])."""
+        return self.limit.allowed == 0
+
     def __bool__(self) -> bool:
         return bool(self._writing)
 
@@ -172,6 +181,14 @@ class WriteBehind:
             unlocked(lambda: pipeline.wait(pending))
         self.harvest()
         return time.perf_counter() - start
+
+    def finish(self, unlocked: Unlocked) -> None:
+        """Wait, with the lock released, for every write (NOTE [ Write staging ]).
+
+        Called once the saved tensor's entry is registered: a write that
+        ends for an entry the store does not know is settled as released.
+        """
+        self.pack_wait_s += self.wait(self.futures(), unlocked)
 
     def wait_all_locked(self) -> None:
         """Settle every write, keeping the lock: placement needs their reservations back.
