@@ -156,6 +156,36 @@ def test_span_of_dense_view_is_zero_copy() -> None:
     assert span.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
 
 
+def _landed(span: torch.Tensor) -> torch.Tensor:
+    """``span`` copied to the start of a page, as a disk read lands it."""
+    page = torch.empty(span.numel() * span.element_size() + 8192, dtype=torch.uint8)
+    start = -page.data_ptr() % 4096
+    out = page[start : start + span.numel() * span.element_size()].view(span.dtype)
+    return out.copy_(span)
+
+
+@pytest.mark.parametrize("view", ["rows", "gapped"])
+def test_a_view_comes_back_at_its_address_modulo_the_boundary(view: str) -> None:
+    # NOTE [ Addresses ]: x[1:] starts 24 bytes past a 64-byte boundary, and
+    # a span read back lands on a page: it goes back 24 bytes past one.
+    base = torch.randn(5, 6)
+    x = base[1:] if view == "rows" else base[1:, ::2]
+    assert x.data_ptr() % 64 == 24
+    span, layout = codec.to_span(x)
+    assert layout.align == 24
+    back = codec.from_span(_landed(span), layout)
+    assert back.data_ptr() % 64 == 24
+    assert back.stride() == x.stride() and torch.equal(back, x)
+
+
+def test_a_span_on_its_boundary_is_not_copied_back() -> None:
+    x = torch.randn(8, 16)[2:]  # 128 bytes in: on a 64-byte boundary
+    span, layout = codec.to_span(x)
+    landed = _landed(span)
+    back = codec.from_span(landed, layout)
+    assert back.data_ptr() == landed.data_ptr()
+
+
 def test_frames_are_safetensors() -> None:
     t = torch.arange(6, dtype=torch.float32)
     frame = codec.encode(t)

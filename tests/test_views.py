@@ -3,7 +3,9 @@
 NOTE [ Spans ] in tierstore/codec.py. The Function below reads the saved
 view's strides in backward to scatter its gradient, as a custom Function or
 a compiled graph may: a view that came back with other strides gives other
-gradients, so bitwise equality with eager checks the strides too.
+gradients, so bitwise equality with eager checks the strides too. Each view
+also comes back at its address modulo the allocator's boundary, where
+kernels may round otherwise (NOTE [ Addresses ]).
 """
 
 from __future__ import annotations
@@ -44,13 +46,13 @@ class SumViewByStrides(torch.autograd.Function):
         v = view(y)
         ctx.save_for_backward(v)
         ctx.numel, ctx.offset, ctx.seen = y.numel(), v.storage_offset(), seen
-        seen.append(("saved", tuple(v.shape), v.stride()))
+        seen.append(("saved", tuple(v.shape), v.stride(), v.data_ptr() % 64))
         return v.sum(-1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         (v,) = ctx.saved_tensors
-        ctx.seen.append(("backward", tuple(v.shape), v.stride()))
+        ctx.seen.append(("backward", tuple(v.shape), v.stride(), v.data_ptr() % 64))
         # Which element of x each element of v came from, by v's strides now.
         where = torch.arange(ctx.numel).as_strided(v.shape, v.stride(), ctx.offset)
         flat = torch.zeros(ctx.numel).index_add_(
@@ -103,7 +105,7 @@ def test_saved_view_comes_back_with_its_strides(name: str, tier_store: tuple[str
         warnings.filterwarnings("ignore", "tierstore: nothing left the device")
         warnings.filterwarnings("error", "tierstore: a saved view")
         got, seen = _run(VIEWS[name], store)
-    assert seen == eager_seen  # shape and strides at save and in backward
+    assert seen == eager_seen  # shape, strides and address at save and in backward
     assert seen[0][1:] == seen[1][1:]
     assert torch.equal(got, expected)
     stats = store.stats()
@@ -180,4 +182,5 @@ def test_saved_view_of_a_cuda_tensor_comes_back_with_its_strides(
         assert store.stats().restrided_views == 0
     (got,) = out
     assert got.device == want.device and got.stride() == want.stride()
+    assert got.data_ptr() % 512 == want.data_ptr() % 512  # NOTE [ Addresses ]
     assert torch.equal(got, want)

@@ -45,6 +45,7 @@ __all__ = [
     "Frame",
     "FrameMeta",
     "Layout",
+    "address_align",
     "byte_view",
     "checksum",
     "decode",
@@ -131,13 +132,14 @@ class Layout:
     ``dense``: the span holds the elements densely with these strides, to be
     copied into a buffer with ``stride``. ``saved_stride``: the strides the
     tensor was saved with, when it comes back with ``stride`` instead
-    (NOTE [ Spans ]).
+    (NOTE [ Spans ]). ``align``: the address of its first element modulo
+    :func:`address_align`, which it comes back with (NOTE [ Addresses ]).
 
     Example:
         >>> import torch
         >>> from tierstore.codec import to_span
         >>> to_span(torch.zeros(2, 3).t())[1]
-        Layout(shape=(3, 2), stride=(1, 3), offset=0, dense=None, saved_stride=None)
+        Layout(shape=(3, 2), stride=(1, 3), offset=0, dense=None, saved_stride=None, align=0)
     """
 
     shape: tuple[int, ...]
@@ -145,6 +147,60 @@ class Layout:
     offset: int
     dense: tuple[int, ...] | None = None
     saved_stride: tuple[int, ...] | None = None
+    align: int = 0
+
+
+# NOTE [ Addresses ]
+# A kernel's rounding can follow its operands' addresses too: CPU BLAS takes
+# another vector path for an operand whose first element is not on a 16-byte
+# boundary (measured: the gradient of W in x.t()[:, 1:] @ W differs in its
+# last bits between a copy 24 bytes past a 64-byte boundary, where eager's
+# view starts, and one on it). Allocators hand out memory on a boundary
+# (address_align: CPU 64 bytes, the CUDA caching allocator 512), so eager's
+# address of a view, modulo that, is fixed by its storage offset and nothing
+# else, and kernels see the same bits run after run. A saved tensor comes
+# back with the same address modulo that boundary (Layout.align): a span
+# that lands elsewhere (a disk read into a page-aligned buffer, a copy onto
+# the device) is copied to that place, in a buffer one boundary larger.
+# Only views whose storage offset is off the boundary pay that copy; a
+# gapped view is copied back anyway, straight to its place.
+
+
+def address_align(device: torch.device) -> int:
+    """The boundary the allocator of ``device`` hands memory out on (NOTE [ Addresses ]).
+
+    Example:
+        >>> import torch
+        >>> from tierstore.codec import address_align
+        >>> address_align(torch.device("cpu")), address_align(torch.device("cuda", 0))
+        (64, 512)
+    """
+    return 512 if device.type == "cuda" else 64
+
+
+def _residue(t: torch.Tensor) -> int:
+    """``t``'s first element's address modulo :func:`address_align` (0: none to read)."""
+    try:
+        return t.data_ptr() % address_align(t.device)
+    except (RuntimeError, NotImplementedError):  # tensors without memory (fake, meta)
+        return 0
+
+
+def _placed(
+    extent: int, like: torch.Tensor, align: int, alloc: Alloc | None
+) -> tuple[torch.Tensor, int]:
+    """A buffer for ``extent`` elements of ``like``'s dtype, and the index that sits at ``align``.
+
+    NOTE [ Addresses ]; the memory comes from ``alloc`` for a CPU ``like``.
+    """
+    itemsize = like.element_size()
+    spare = address_align(like.device) // itemsize if align else 0
+    if alloc is not None and like.device.type == "cpu":
+        buffer = _empty((extent + spare) * itemsize, like.dtype, alloc)
+    else:
+        buffer = like.new_empty(extent + spare)
+    shift, odd = divmod((align - _residue(buffer)) % address_align(like.device), itemsize)
+    return buffer, shift if shift <= spare and not odd else 0
 
 
 # A view is restored with its own strides while the storage it covers is at
@@ -268,8 +324,10 @@ def to_span(t: torch.Tensor, alloc: Alloc | None = None) -> tuple[torch.Tensor, 
     core_shape = _core_shape(shape, stride)
     core = t.as_strided(core_shape, stride, t.storage_offset())
     rest, numel = _rest(core_shape, stride)
+    align = _residue(t)  # NOTE [ Addresses ]
     if rest == "range":
-        return core.as_strided((numel,), (1,), core.storage_offset()), Layout(shape, stride, 0)
+        span = core.as_strided((numel,), (1,), core.storage_offset())
+        return span, Layout(shape, stride, 0, align=align)
     dense = _dense_strides(core_shape, stride)
     if alloc is not None and t.device.type == "cpu":
         flat = _empty(numel * t.element_size(), t.dtype, alloc)
@@ -280,8 +338,8 @@ def to_span(t: torch.Tensor, alloc: Alloc | None = None) -> tuple[torch.Tensor, 
     span = compact.as_strided((numel,), (1,), 0)
     full_dense = tuple(0 if st == 0 else d for st, d in zip(stride, dense, strict=True))
     if rest == "gapped":
-        return span, Layout(shape, stride, 0, full_dense)
-    return span, Layout(shape, full_dense, 0, saved_stride=stride)
+        return span, Layout(shape, stride, 0, full_dense, align=align)
+    return span, Layout(shape, full_dense, 0, saved_stride=stride, align=align)
 
 
 def from_span(span: torch.Tensor, layout: Layout, alloc: Alloc | None = None) -> torch.Tensor:
@@ -300,20 +358,23 @@ def from_span(span: torch.Tensor, layout: Layout, alloc: Alloc | None = None) ->
     # as_strided's offset counts from the start of the storage, not of the
     # span, and a zero-copy span of a view starts wherever the view did.
     if layout.dense is None:
-        return span.as_strided(layout.shape, layout.stride, span.storage_offset() + layout.offset)
-    # A gapped view: back into a buffer with its own strides (NOTE [ Spans ]).
-    # Broadcast dimensions (stride 0) are copied at size 1, then expanded.
+        out = span.as_strided(layout.shape, layout.stride, span.storage_offset() + layout.offset)
+        if span.numel() == 0 or _residue(span) == layout.align:
+            return out
+        # Elsewhere than eager had it: to its place (NOTE [ Addresses ]).
+        buffer, at = _placed(span.numel(), span, layout.align, alloc)
+        buffer[at : at + span.numel()].copy_(span)
+        return buffer.as_strided(layout.shape, layout.stride, at)
+    # A gapped view: back into a buffer with its own strides (NOTE [ Spans ]),
+    # at its address (NOTE [ Addresses ]). Broadcast dimensions (stride 0)
+    # are copied at size 1, then expanded.
     core_shape = tuple(
         1 if st == 0 else n for n, st in zip(layout.shape, layout.stride, strict=True)
     )
     dense = span.as_strided(core_shape, layout.dense, span.storage_offset())
-    extent = _extent(core_shape, layout.stride)
-    if alloc is not None and span.device.type == "cpu":
-        buffer = _empty(extent * span.element_size(), span.dtype, alloc)
-    else:
-        buffer = span.new_empty(extent)
-    buffer.as_strided(core_shape, layout.stride, 0).copy_(dense)
-    return buffer.as_strided(layout.shape, layout.stride, 0)
+    buffer, at = _placed(_extent(core_shape, layout.stride), span, layout.align, alloc)
+    buffer.as_strided(core_shape, layout.stride, at).copy_(dense)
+    return buffer.as_strided(layout.shape, layout.stride, at)
 
 
 # --------------------------------------------------------------------------
