@@ -488,6 +488,41 @@ def test_the_safe_placement_holds_a_fraction_in_flight(
     assert 0 < max(peaks[:2]) <= plan.budget_bytes + largest
 
 
+def test_the_safe_placement_writes_a_save_past_its_share_synchronously(
+    budget_store: Callable[..., tierstore.TierStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 0.1% of what the step saves: before a plan, the write queue holds at
+    # most that share of what was saved so far, a save past it waits for its
+    # own write, and backward, whose largest save is past the share, reads on
+    # demand (NOTE [ Planned steps ]; in_flight_bytes, read_ahead_bytes).
+    queued: list[tuple[int, int]] = []
+    note = TierManager._note_resident
+
+    def noted(self: TierManager) -> None:
+        note(self)
+        assert self.plans is not None
+        step = self.plans._step
+        assert step is not None
+        if not self._schedule.unpacking:  # forward
+            queued.append((self._writes.queued_bytes, int(0.001 * step.saved_bytes)))
+
+    monkeypatch.setattr(TierManager, "_note_resident", noted)
+    store = budget_store(0.001)
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tierstore.TierstoreWarning)  # the floor
+        for step in range(2):  # the warm-up and the profiled step
+            with store.offload():
+                _step(model, step)
+    assert store.plan() is None
+    assert len(queued) > 100
+    assert all(q <= share for q, share in queued)
+    assert any(q == 0 for q, share in queued if share)  # written at once, not queued
+    stats = store.stats()
+    assert stats.tiers["disk"].bytes_written > 0
+    assert stats.bytes_prefetched == 0
+
+
 def test_io_cpu_time_is_taken_out_of_every_compute_time_the_profile_holds() -> None:
     # On a CPU the I/O threads share the step's cores: what they spent is
     # charged to the bytes they moved, and taken out of forward, backward and

@@ -34,7 +34,9 @@ __all__ = ["PlanRunner", "budget_bytes"]
 #     the step (the newest saves kept up to a budget given in bytes less the
 #     bytes in flight, the rest offloaded; with a fraction, whose bytes are
 #     not known yet, everything offloaded, with the write queue and the reads
-#     ahead bounded by the fraction of what the step has saved so far),
+#     ahead bounded by the fraction of what the step has saved so far: a
+#     save that would take the queue past it waits for its own write, and
+#     backward reads on demand where one read more would pass it),
 #     while each save is written down:
 #     its bytes, the op and module that made it, what a rebuild would cost
 #     and read, and when forward saved it and backward first used it, with
@@ -110,6 +112,7 @@ class _Step:
     row_of_key: dict[int, int] = field(default_factory=dict)
     fixed_bytes: int = 0
     saved_bytes: int = 0  # new bytes saved so far, fixed ones included
+    largest_bytes: int = 0  # the largest of them
     waits_at_start: float = 0.0
     backward_at: float | None = None  # when backward first used a save, waits out
     last_use: float = 0.0
@@ -202,15 +205,19 @@ class PlanRunner:
         in_flight = int(self._config.prefetch_bytes) + int(self._config.write_queue_bytes)
         return max(0, int(self.budget) - in_flight)
 
-    def in_flight_bytes(self) -> int | None:
+    def in_flight_bytes(self, adding: int = 0) -> int | None:
         """What the step under way may hold in flight each way, or ``None``: the limits' own.
 
         A planned step: its plan's window (the store's limits are bounded by
         the largest kept plan's). A profiled step under a fractional budget:
-        that share of what it saved so far. The step's saved bytes are known
-        only as it runs, and the budget is at least its share of them: the
-        safe placement keeps nothing, and this bounds what it holds in
-        flight (the write queue in forward, the reads ahead in backward).
+        that share of what it saved so far, less ``adding`` (a save about to
+        join the write queue). The step's saved bytes are known only as it
+        runs, and the budget is at least its share of them: the safe
+        placement keeps nothing, and this bounds what it holds in flight
+        (the write queue in forward, the reads ahead in backward). At 0 a
+        save waits for its own write and backward reads on demand
+        (NOTE [ Write staging ] in tierstore/writebehind.py): a save larger
+        than the share so far never sits in the queue beside it.
         """
         step = self._step
         if step is None:
@@ -220,7 +227,21 @@ class PlanRunner:
             return self.plan.window_bytes
         if not step.profiling or not isinstance(self.budget, float):
             return None
-        return int(self.budget * step.saved_bytes)
+        return max(int(self.budget * step.saved_bytes) - adding, 0)
+
+    def read_ahead_bytes(self, held: int) -> int | None:
+        """The bound on reads ahead as backward begins, ``held`` bytes being resident already.
+
+        A planned step: its plan's window. The safe placement: its share
+        less ``held`` and less the largest save, as the window lets one read
+        past its limit (NOTE [ Prefetch ] in tierstore/readahead.py); at 0
+        backward reads on demand.
+        """
+        bound = self.in_flight_bytes()
+        step = self._step
+        if bound is None or self.planned or step is None:
+            return bound
+        return max(bound - held - step.largest_bytes, 0)
 
     def _begin(self) -> _Step:
         profiling = self.plan is None or self._unseen is not None
@@ -312,6 +333,7 @@ class PlanRunner:
         if not again:
             step.row_of_key[key] = len(step.rows)
             step.saved_bytes += nbytes
+            step.largest_bytes = max(step.largest_bytes, nbytes)
         row = _Row(nbytes, again, op, module, self._compute_now(step), rebuild_s, inputs)
         step.rows.append(row)
 

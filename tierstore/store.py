@@ -273,14 +273,14 @@ class TierManager:
                 self._step_started()
             if self.plans is not None:
                 self._follow_plan()
-            copies_over = self._make_room_in_flight()
+            size = resting_nbytes(t) if nbytes is None else nbytes
+            copies_over = self._make_room_in_flight(size)
             self.check_open()  # closed by another thread while this one waited
             # NOTE [ Deduplication under threads ]: saved meanwhile by another thread?
             entry = self._deduplicated_entry(dedupe_key, storage)
             if entry is not None:
                 self._tally(entry, 0)
                 return self._handle(entry, t)
-            size = resting_nbytes(t) if nbytes is None else nbytes
             entry = Entry(next(self._keys), t.detach(), size)
             if copies_over:  # NOTE [ Copies in flight ]
                 self._hold(entry, "device")
@@ -376,12 +376,9 @@ class TierManager:
             self._check_version(entry, handle)
             first = not self._schedule.unpacking
             self._schedule.unpacked(entry.key)
-            if first and self.plans is not None:
-                bound = self.plans.in_flight_bytes()  # NOTE [ Planned steps ]
-                if bound is not None and not self.plans.planned:  # the safe placement's reads
-                    held = self._writes.queued_bytes + self._tiers["device"].bytes
-                    bound = max(bound - held, 1)
-                self._reads.limit.hold_to(bound)
+            if first and self.plans is not None:  # NOTE [ Planned steps ]
+                held = self._writes.queued_bytes + self._tiers["device"].bytes
+                self._reads.limit.hold_to(self.plans.read_ahead_bytes(held))
             got = self._fetch(entry, first)
             if self.plans is not None:  # with this entry taken and the reads topped up
                 self._note_resident()
@@ -648,14 +645,14 @@ class TierManager:
         if self._restrided_views == 1:
             warnings.warn(_restrided_warning(entry, layout, tier, itemsize), stacklevel=2)
 
-    def _make_room_in_flight(self) -> bool:
-        """Backpressure before a new save; whether D2H copies leave it on the device.
+    def _make_room_in_flight(self, size: int) -> bool:
+        """Backpressure before a save of ``size`` bytes; whether D2H copies leave it on the device.
 
         The write queue waits (NOTE [ Write-behind ]); D2H copies never do:
         NOTE [ Copies in flight ].
         """
         if self.plans is not None:  # NOTE [ Planned steps ]: the plan's or the safe placement's
-            self._writes.limit.hold_to(self.plans.in_flight_bytes())
+            self._writes.limit.hold_to(self.plans.in_flight_bytes(adding=size))
         self._writes.make_room(self._unlocked)
         cap = self._writes.limit.cap_bytes
         device = self._tiers["device"]
