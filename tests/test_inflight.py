@@ -175,20 +175,26 @@ def test_written_bytes_never_go_down(spill_root: Path) -> None:
 # -- buffers (NOTE [ Leased buffers ]) -------------------------------------------------
 
 
+@pytest.mark.parametrize("in_flight", ["default", "none"])
 def test_a_read_back_tensor_lives_in_the_pool_until_autograd_drops_it(
-    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch, in_flight: str
 ) -> None:
+    # "none": nothing may be in flight (writes synchronous, reads on demand),
+    # yet the pool still has room for the read in use (NOTE [ Leased buffers ]).
     reads_done_at_once(monkeypatch)
     x = torch.randn(64 * 1024, requires_grad=True)  # 256 KiB
-    with tierstore.TierStore(_config(spill_root)) as store:
+    settings = {"prefetch_bytes": 0, "write_queue_bytes": 0} if in_flight == "none" else {}
+    with tierstore.TierStore(_config(spill_root, **settings)) as store:
         with store.offload():
             y = x.exp()
         store.flush()
         assert buffers_in_use(store) == 0  # forward's bytes are on disk, the pool is idle
         saved = y.grad_fn._saved_result  # unpacks: a read into the pool
         assert torch.equal(saved, x.detach().exp())
-        # The record as read: its padded header's page, then the payload.
-        record = codec.HEADROOM + 256 * 1024
+        # The record as read: its padded header's page, then the payload; a
+        # write from the caller's memory (none staged) kept a short header,
+        # read apart (NOTE [ Records in one buffer ]).
+        record = 256 * 1024 + (codec.HEADROOM if in_flight == "default" else 0)
         assert buffers_in_use(store, record) == record
         del saved
         assert buffers_in_use(store) == 0  # back in the pool, not on the heap
@@ -304,8 +310,11 @@ def test_a_full_pool_writes_from_the_callers_memory(
 ) -> None:
     gate = _gated_writes(monkeypatch)
     x = torch.randn(64 * 1024, requires_grad=True)
-    # The pool holds twice prefetch_bytes + write_queue_bytes: 128 KiB, less than one save.
-    config = _config(spill_root, prefetch_bytes="32KiB", write_queue_bytes="32KiB")
+    # The pool holds twice prefetch_bytes + write_queue_bytes, and at least a
+    # chunk: 128 KiB, less than one save.
+    config = _config(
+        spill_root, prefetch_bytes="32KiB", write_queue_bytes="32KiB", host_pool_step="64KiB"
+    )
     with tierstore.TierStore(config) as store:
         with store.offload():
             y = x.exp()

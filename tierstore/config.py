@@ -286,7 +286,9 @@ class TierConfig(BaseSettings):
     )
     host_pool_step: Size = Field(
         default=ByteSize(256 << 20),
-        description="Bytes of host buffers allocated at a time, up to host_budget, on CUDA.",
+        description="Bytes of host buffers allocated at a time: on CUDA pinned, up to "
+        "host_budget; on a CPU tierstore's own buffers (disk reads, write staging), of which "
+        "it may hold at least this much.",
     )
     disk_budget: Size = Field(
         default=ByteSize(32 << 30),

@@ -180,8 +180,11 @@ class Transfers:
             else:
                 # Twice the bytes in flight the settings allow: a window being
                 # read while the last one is still held by backward, and the
-                # write queue's staging. Pages are used only as needed.
-                capacity = 2 * (int(cfg.prefetch_bytes) + int(cfg.write_queue_bytes))
+                # write queue's staging; and at least a chunk, so that with
+                # nothing in flight (both at 0) the read in use lands here too,
+                # not in an I/O thread's heap. Pages are used only as needed.
+                in_flight = int(cfg.prefetch_bytes) + int(cfg.write_queue_bytes)
+                capacity = max(2 * in_flight, int(cfg.host_pool_step))
                 pool = self._buffers = HostPool(capacity, int(cfg.host_pool_step), pin=False)
         return pool
 
