@@ -193,14 +193,14 @@ def _placed(
 
     NOTE [ Addresses ]; the memory comes from ``alloc`` for a CPU ``like``.
     """
-    itemsize = like.element_size()
-    spare = address_align(like.device) // itemsize if align else 0
+    itemsize, boundary = like.element_size(), address_align(like.device)
+    spare = boundary // itemsize
     if alloc is not None and like.device.type == "cpu":
         buffer = _empty((extent + spare) * itemsize, like.dtype, alloc)
     else:
         buffer = like.new_empty(extent + spare)
-    shift, odd = divmod((align - _residue(buffer)) % address_align(like.device), itemsize)
-    return buffer, shift if shift <= spare and not odd else 0
+    shift, odd = divmod((align - _residue(buffer)) % boundary, itemsize)
+    return buffer, 0 if odd else shift
 
 
 # A view is restored with its own strides while the storage it covers is at

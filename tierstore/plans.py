@@ -112,7 +112,6 @@ class _Step:
     row_of_key: dict[int, int] = field(default_factory=dict)
     fixed_bytes: int = 0
     saved_bytes: int = 0  # new bytes saved so far, fixed ones included
-    largest_bytes: int = 0  # the largest of them
     waits_at_start: float = 0.0
     backward_at: float | None = None  # when backward first used a save, waits out
     last_use: float = 0.0
@@ -241,7 +240,8 @@ class PlanRunner:
         step = self._step
         if bound is None or self.planned or step is None:
             return bound
-        return max(bound - held - step.largest_bytes, 0)
+        largest = max((row.nbytes for row in step.rows), default=0)
+        return max(bound - held - largest, 0)
 
     def _begin(self) -> _Step:
         profiling = self.plan is None or self._unseen is not None
@@ -333,7 +333,6 @@ class PlanRunner:
         if not again:
             step.row_of_key[key] = len(step.rows)
             step.saved_bytes += nbytes
-            step.largest_bytes = max(step.largest_bytes, nbytes)
         row = _Row(nbytes, again, op, module, self._compute_now(step), rebuild_s, inputs)
         step.rows.append(row)
 

@@ -42,16 +42,20 @@ class InFlightLimit:
         0
     """
 
-    __slots__ = ("_held_to", "_least", "_min", "_stalled", "bytes", "cap_bytes", "stalls")
+    __slots__ = ("_held_to", "_min_bytes", "_stalled", "bytes", "cap_bytes", "stalls")
 
     def __init__(self, cap_bytes: int, start_bytes: int, min_bytes: int) -> None:
         self.cap_bytes = cap_bytes
-        self._least = min_bytes
-        self._min = min(min_bytes, cap_bytes)
+        self._min_bytes = min_bytes
         self.bytes = min(start_bytes, cap_bytes)
         self.stalls = 0
         self._stalled = False
         self._held_to: int | None = None
+
+    @property
+    def _floor(self) -> int:
+        """The least the limit shrinks to: ``min_bytes``, or the bound when below it."""
+        return min(self._min_bytes, self.cap_bytes)
 
     @property
     def allowed(self) -> int:
@@ -79,7 +83,7 @@ class InFlightLimit:
         """Something waited for bytes in flight: double the limit, up to its bound."""
         self.stalls += 1
         self._stalled = True
-        self.bytes = min(self.cap_bytes, max(2 * self.bytes, self._min))
+        self.bytes = min(self.cap_bytes, max(2 * self.bytes, self._floor))
 
     def bound(self, cap_bytes: int) -> None:
         """A new upper bound (a plan's window); the limit follows it down, its floor both ways.
@@ -96,11 +100,10 @@ class InFlightLimit:
             4
         """
         self.cap_bytes = cap_bytes
-        self._min = min(self._least, cap_bytes)
         self.bytes = min(self.bytes, cap_bytes)
 
     def step_started(self) -> None:
         """A new step: shrink by a quarter if the last one never stalled."""
         if not self._stalled:
-            self.bytes = max(self._min, self.bytes * 3 // 4)
+            self.bytes = max(self._floor, self.bytes * 3 // 4)
         self._stalled = False
