@@ -292,7 +292,9 @@ class TierManager:
             with contextlib.suppress(TypeError):  # storages that refuse weak references
                 self._dedupe[dedupe_key] = (weakref.ref(storage), entry.key)
                 entry.dedupe_key = dedupe_key
-            if self._writes and self._writes.synchronous:  # NOTE [ Write staging ]
+            # Writes in flight (WriteBehind is true while any is) and none may
+            # queue: this save waits for its own (NOTE [ Write staging ]).
+            if self._writes and self._writes.synchronous:
                 try:
                     self._writes.finish(self._unlocked)
                 except BaseException:  # Ctrl-C in the wait, say: no handle will release it
