@@ -60,10 +60,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import threading
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -73,7 +75,7 @@ from tierstore.backends._extents import ExtentAllocator
 from tierstore.config import ENV_PREFIX, human_bytes
 from tierstore.errors import StoreClosedError, TierstoreWarning
 
-__all__ = ["BLOCK_ALIGN", "HostBlock", "HostPool"]
+__all__ = ["BLOCK_ALIGN", "HostBlock", "HostPool", "release_free_heap"]
 
 #: Blocks start on a multiple of this (a page: DMA- and O_DIRECT-friendly).
 BLOCK_ALIGN = 4096
@@ -101,6 +103,53 @@ class HostBlock:
     def nbytes(self) -> int:
         """The bytes asked for (``length`` is that, rounded up to :data:`BLOCK_ALIGN`)."""
         return self.tensor.numel()
+
+
+# NOTE [ The heap at a step's start ]
+#
+# On a CPU a saved activation is process memory: forward allocates it from
+# the heap, the store writes it out, and forward frees it. glibc keeps freed
+# heap pages resident (the heap gives back only what is free at its top), so
+# RSS holds the pages forward and backward touched in this step and in the
+# steps before, whatever the store moved out. Measured on bench train's GPT
+# at activation_budget=0.03 (six steps, mallinfo2 at the end of each
+# forward): 125 MiB in use in the heaps, 310-535 MiB free but resident; the
+# per-step peaks (in forward) 611-715 MiB, against 548-626 for disk-naive's
+# torch.save hooks in the same script. An activation budget bounds what the
+# user's tools show, so a planned store on a CPU hands the heap's free pages
+# back to the system once a step, at its first save (glibc's malloc_trim,
+# which gives back free chunks inside the heap too). It changes no
+# allocator setting and frees nothing in use: a page used again is faulted
+# back in, zeroed. With it the same script's forward peaks were 513-592 MiB.
+# Only planned stores do it: without a budget, tierstore promises no bound.
+# Where the C library has no malloc_trim (musl, macOS, Windows) nothing
+# happens.
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):  # no such symbol; no CDLL(None) (Windows)
+        return None
+
+
+def release_free_heap() -> bool:
+    """Hand the process heap's free pages back to the system; whether the C library could.
+
+    NOTE [ The heap at a step's start ]. Frees nothing in use and changes no
+    allocator setting; ``False`` where the C library is not glibc.
+
+    Example:
+        >>> from tierstore.backends.host import release_free_heap
+        >>> release_free_heap() in (True, False)
+        True
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def _pinned(nbytes: int) -> torch.Tensor:

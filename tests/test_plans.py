@@ -20,6 +20,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import tierstore
+from tierstore.backends import host
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.config import human_bytes
 from tierstore.pipeline import LinkClock
@@ -430,6 +431,17 @@ def test_without_a_budget_there_is_no_plan(spill_root: Path) -> None:
                 _step(model, step)
         assert store.plan() is None
         assert store._manager.plans is None
+        assert store._manager._transfers.heap_releases == 0  # NOTE [ The heap at a step's start ]
+
+
+def test_a_planned_cpu_step_starts_on_a_released_heap(
+    budget_store: Callable[..., tierstore.TierStore],
+) -> None:
+    # NOTE [ The heap at a step's start ]: once a step, at its first save,
+    # from the second step on (the first has no backward before it).
+    store = budget_store(0.3)
+    _same(_run(store, 3), _run(None, 3))
+    assert store._manager._transfers.heap_releases == (2 if host._malloc_trim() else 0)
 
 
 def test_a_slow_disk_cannot_grow_the_write_queue_past_the_plan(

@@ -270,7 +270,7 @@ class TierManager:
                 self._tally(entry, 0)
                 return self._handle(entry, t)
             if self._schedule.unpacking:
-                self._step_started()
+                self._step_started(cpu=t.device.type == "cpu")
             if self.plans is not None:
                 self._follow_plan()
             size = resting_nbytes(t) if nbytes is None else nbytes
@@ -356,11 +356,16 @@ class TierManager:
         self._deduplicated += 1
         return entry
 
-    def _step_started(self) -> None:
-        """The first new save after a backward: the in-flight limits learn from that step."""
+    def _step_started(self, *, cpu: bool) -> None:
+        """The first new save after a backward: the in-flight limits learn from that step.
+
+        A planned step on a CPU starts on a heap whose free pages went back
+        to the system (NOTE [ The heap at a step's start ] in
+        tierstore/backends/host.py): its budget bounds what the user's tools show.
+        """
         self._reads.limit.step_started()
         self._writes.limit.step_started()
-        self._transfers.trim()
+        self._transfers.trim(heap=cpu and self.plans is not None)
 
     def get(self, handle: Handle) -> torch.Tensor:
         """The tensor ``handle`` refers to, on its original device, shape and strides.

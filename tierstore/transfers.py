@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tierstore import codec
-from tierstore.backends.host import HostBlock, HostPool
+from tierstore.backends.host import HostBlock, HostPool, release_free_heap
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.entry import Entry
 from tierstore.errors import StoreClosedError, TierFullError
@@ -143,6 +143,7 @@ class Transfers:
         # D2H copies under way, oldest first, and their bytes.
         self._copying: deque[Entry] = deque()
         self.copying_bytes = 0
+        self.heap_releases = 0
         leave_to_parent(self)
 
     def _forked(self) -> None:
@@ -205,10 +206,16 @@ class Transfers:
         """
         return self.buffer if device.type == "cpu" else None
 
-    def trim(self) -> None:
-        """Hand back the pages of idle buffers (NOTE [ Leased buffers ]); at a step's start."""
+    def trim(self, *, heap: bool = False) -> None:
+        """Hand back the pages of idle buffers (NOTE [ Leased buffers ]); at a step's start.
+
+        ``heap``: the free pages of the process heap too (NOTE [ The heap at a
+        step's start ] in tierstore/backends/host.py), counted in :attr:`heap_releases`.
+        """
         if self._buffers is not None:
             self._buffers.trim()
+        if heap and release_free_heap():
+            self.heap_releases += 1
 
     # -- D2H ---------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import torch
 
 from tierstore.backends import host
 from tierstore.backends.host import BLOCK_ALIGN, HostPool
+from tierstore.bench.memory import AnonRss
 from tierstore.errors import StoreClosedError, TierstoreWarning
 
 
@@ -66,6 +67,23 @@ def test_trim_frees_the_pages_instead_of_only_unmapping_them() -> None:
     assert again is not None and again.offset == block.offset
     assert int(again.tensor.max()) == 0
     pool.close()
+
+
+@pytest.mark.skipif(host._malloc_trim() is None, reason="not glibc: no malloc_trim")
+def test_release_free_heap_hands_back_free_pages_between_live_ones() -> None:
+    # NOTE [ The heap at a step's start ]: 64 KiB tensors come from the heap
+    # (below glibc's mmap threshold), and a freed one between two live ones
+    # can neither merge nor leave with the heap's top: it stays resident.
+    rss = AnonRss()
+    try:
+        chunks = [torch.ones(16 * 1024) for _ in range(1024)]  # 64 MiB, touched
+        del chunks[::2]  # 32 MiB free, every piece between live ones
+        before = rss()
+        assert host.release_free_heap()
+        assert before - rss() >= 24 << 20, (before, rss())
+        assert all(int(c[0]) == 1 for c in chunks)  # what is in use is untouched
+    finally:
+        rss.close()
 
 
 def test_a_block_larger_than_a_step_gets_its_own_chunk() -> None:

@@ -27,6 +27,8 @@ import gc
 import os
 from typing import Any
 
+from tierstore.backends.host import release_free_heap
+
 __all__ = ["AnonRss", "follow_live_memory", "release_free_memory"]
 
 
@@ -98,6 +100,4 @@ def release_free_memory(*, full: bool) -> None:
         >>> release_free_memory(full=True)
     """
     gc.collect() if full else gc.collect(1)
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
+    release_free_heap()
