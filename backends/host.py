@@ -75,7 +75,7 @@ from tierstore.backends._extents import ExtentAllocator
 from tierstore.config import ENV_PREFIX, human_bytes
 from tierstore.errors import StoreClosedError, TierstoreWarning
 
-__all__ = ["BLOCK_ALIGN", "HostBlock", "HostPool", "release_free_heap"]
+__all__ = ["BLOCK_ALIGN", "RELEASE_MIN_BYTES", "HostBlock", "HostPool", "release_free_heap"]
 
 #: Blocks start on a multiple of this (a page: DMA- and O_DIRECT-friendly).
 BLOCK_ALIGN = 4096
@@ -105,25 +105,39 @@ class HostBlock:
         return self.tensor.numel()
 
 
-# NOTE [ The heap at a step's start ]
+# NOTE [ Handing the heap back ]
 #
 # On a CPU a saved activation is process memory: forward allocates it from
-# the heap, the store writes it out, and forward frees it. glibc keeps freed
-# heap pages resident (the heap gives back only what is free at its top), so
-# RSS holds the pages forward and backward touched in this step and in the
-# steps before, whatever the store moved out. Measured on bench train's GPT
-# at activation_budget=0.03 (six steps, mallinfo2 at the end of each
-# forward): 125 MiB in use in the heaps, 310-535 MiB free but resident; the
-# per-step peaks (in forward) 611-715 MiB, against 548-626 for disk-naive's
-# torch.save hooks in the same script. An activation budget bounds what the
-# user's tools show, so a planned store on a CPU hands the heap's free pages
-# back to the system once a step, at its first save (glibc's malloc_trim,
-# which gives back free chunks inside the heap too). It changes no
-# allocator setting and frees nothing in use: a page used again is faulted
-# back in, zeroed. With it the same script's forward peaks were 513-592 MiB.
-# Only planned stores do it: without a budget, tierstore promises no bound.
-# Where the C library has no malloc_trim (musl, macOS, Windows) nothing
-# happens.
+# the heap, the store writes it out, and forward frees it; in backward,
+# autograd frees what it consumed and the gradients it made. glibc keeps
+# freed heap pages resident (a heap gives back only what is free at its
+# top), so RSS holds every page the step touched, and the steps before it,
+# whatever the store moved out. Measured on bench train's GPT at
+# activation_budget=0.03 (the floor: everything written out, one read in
+# use), six steps, mallinfo2 at the end of each forward: 125 MiB in use in
+# the heaps, 310-535 MiB free but resident; per-step peaks 611-715 MiB, in
+# forward, against 548-626 for disk-naive's torch.save hooks in the same
+# script.
+#
+# An activation budget bounds what the user's tools show, so a planned store
+# on a CPU hands the heap's free pages back (glibc's malloc_trim, which
+# gives back free chunks inside a heap too): at each step's first save, and
+# whenever the step has let go of another budget's worth of bytes since the
+# last time (saves written out or to be rebuilt, in forward; saves read
+# back, in backward), but no more often than every RELEASE_MIN_BYTES, as
+# each call walks the heaps (a tiny budget would call after every save;
+# glibc maps allocations larger than that apart anyway, and unmaps them
+# when they are freed). Nothing in use is
+# freed and no allocator setting changes; a page used again is faulted
+# back in, zeroed. Measured with the same script, handing back at every
+# step's start only: forward peaks 513-592 MiB; also every 12 saves and 12
+# unpacks (about the budget's 61 MiB): 403-446 MiB, backward 320-346.
+# Without a budget tierstore promises no bound and does none of this. Where
+# the C library has no malloc_trim (musl, macOS, Windows) nothing happens.
+
+#: The fewest bytes a planned step lets go of between two heap releases
+#: (NOTE [ Handing the heap back ]): glibc's largest heap allocation.
+RELEASE_MIN_BYTES = 32 << 20
 
 
 @functools.cache
@@ -137,7 +151,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
 def release_free_heap() -> bool:
     """Hand the process heap's free pages back to the system; whether the C library could.
 
-    NOTE [ The heap at a step's start ]. Frees nothing in use and changes no
+    NOTE [ Handing the heap back ]. Frees nothing in use and changes no
     allocator setting; ``False`` where the C library is not glibc.
 
     Example:

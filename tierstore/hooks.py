@@ -766,7 +766,7 @@ class TierStore:
         if tier is None:  # keep(tier="host" or "disk") asks for storage
             packed = recorder.recipe_for(t, nbytes)
             if packed is not None:
-                self._manager.count_recomputed(nbytes)
+                self._manager.count_recomputed(nbytes, t.device)
         if packed is None:
             packed = self._manager.put(t, nbytes, tier)
             recorder.note_packed(t, packed, self._manager.get)
@@ -783,7 +783,7 @@ class TierStore:
         if choice == "rebuild":
             recipe = recorder.recipe_for(t, nbytes) if recorder is not None else None
             if recipe is not None:
-                self._manager.count_recomputed(nbytes)
+                self._manager.count_recomputed(nbytes, t.device)
                 assert recorder is not None
                 recorder.note_packed(t, recipe, None)
                 return recipe

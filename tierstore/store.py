@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from tierstore import codec
+from tierstore.backends.host import RELEASE_MIN_BYTES
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.entry import Entry, TierState
 from tierstore.errors import (
@@ -218,6 +219,9 @@ class TierManager:
                 self._pipeline.io_cpu_s,
             )
         self._resident_peak = 0
+        # Bytes a planned CPU step let go of since the heap was last handed
+        # back (NOTE [ Handing the heap back ] in tierstore/backends/host.py).
+        self._let_go_bytes = 0
         self._parent: int | None = None  # NOTE [ Forked children ] in tierstore/forks.py
         leave_to_parent(self)
 
@@ -302,6 +306,8 @@ class TierManager:
                     raise
             if self.plans is not None:
                 self._note_resident()
+                if entry.tier != "device" and entry.device.type == "cpu":
+                    self._let_go(size)
             return self._handle(entry, t)
 
     # -- activation_budget (NOTE [ Planned steps ] in plans.py) ---------------------
@@ -360,12 +366,25 @@ class TierManager:
         """The first new save after a backward: the in-flight limits learn from that step.
 
         A planned step on a CPU starts on a heap whose free pages went back
-        to the system (NOTE [ The heap at a step's start ] in
-        tierstore/backends/host.py): its budget bounds what the user's tools show.
+        to the system (NOTE [ Handing the heap back ] in tierstore/backends/host.py).
         """
         self._reads.limit.step_started()
         self._writes.limit.step_started()
-        self._transfers.trim(heap=cpu and self.plans is not None)
+        heap = cpu and self.plans is not None
+        self._transfers.trim(heap=heap)
+        if heap:
+            self._let_go_bytes = 0
+
+    def _let_go(self, nbytes: int) -> None:
+        """Count bytes of a planned CPU step that left memory; hand the heap back past a budget's.
+
+        NOTE [ Handing the heap back ] in tierstore/backends/host.py. Under the lock.
+        """
+        assert self.plans is not None
+        self._let_go_bytes += nbytes
+        if self._let_go_bytes >= max(self.plans.budget_bytes_now(), RELEASE_MIN_BYTES):
+            self._let_go_bytes = 0
+            self._transfers.release_heap()
 
     def get(self, handle: Handle) -> torch.Tensor:
         """The tensor ``handle`` refers to, on its original device, shape and strides.
@@ -389,6 +408,8 @@ class TierManager:
             got = self._fetch(entry, first)
             if self.plans is not None:  # with this entry taken and the reads topped up
                 self._note_resident()
+                if entry.tier != "device" and entry.device.type == "cpu":
+                    self._let_go(entry.nbytes)
         if isinstance(got, torch.Tensor):
             return got
         return self._reads.finish(entry, got, self._lock)  # waits outside the lock
@@ -448,13 +469,19 @@ class TierManager:
             out = codec.empty_strided(shape, stride, dtype, alloc)
             return self._reads.hold(out, out.untyped_storage().nbytes())
 
-    def count_recomputed(self, nbytes: int) -> None:
-        """Count a saved tensor the caller will rebuild in backward instead of storing."""
+    def count_recomputed(self, nbytes: int, device: torch.device | None = None) -> None:
+        """Count a saved tensor the caller will rebuild in backward instead of storing.
+
+        ``device``: the tensor's (a planned step counts a CPU tensor's bytes
+        as let go: NOTE [ Handing the heap back ] in tierstore/backends/host.py).
+        """
         with self._locked():
             self._packed += 1
             self._recomputed += 1
             self._recomputed_bytes += nbytes
             self.tally.add("recomputed", nbytes)
+            if self.plans is not None and device is not None and device.type == "cpu":
+                self._let_go(nbytes)
 
     def pack_tally(self) -> PackTally:
         """A snapshot of the saves by where they went (NOTE [ Is it working? ])."""

@@ -209,12 +209,19 @@ class Transfers:
     def trim(self, *, heap: bool = False) -> None:
         """Hand back the pages of idle buffers (NOTE [ Leased buffers ]); at a step's start.
 
-        ``heap``: the free pages of the process heap too (NOTE [ The heap at a
-        step's start ] in tierstore/backends/host.py), counted in :attr:`heap_releases`.
+        ``heap``: the free pages of the process heap too (:meth:`release_heap`).
         """
         if self._buffers is not None:
             self._buffers.trim()
-        if heap and release_free_heap():
+        if heap:
+            self.release_heap()
+
+    def release_heap(self) -> None:
+        """Hand the process heap's free pages back, counted in :attr:`heap_releases`.
+
+        NOTE [ Handing the heap back ] in tierstore/backends/host.py.
+        """
+        if release_free_heap():
             self.heap_releases += 1
 
     # -- D2H ---------------------------------------------------------------------

@@ -71,7 +71,7 @@ def test_trim_frees_the_pages_instead_of_only_unmapping_them() -> None:
 
 @pytest.mark.skipif(host._malloc_trim() is None, reason="not glibc: no malloc_trim")
 def test_release_free_heap_hands_back_free_pages_between_live_ones() -> None:
-    # NOTE [ The heap at a step's start ]: 64 KiB tensors come from the heap
+    # NOTE [ Handing the heap back ]: 64 KiB tensors come from the heap
     # (below glibc's mmap threshold), and a freed one between two live ones
     # can neither merge nor leave with the heap's top: it stays resident.
     rss = AnonRss()

@@ -73,9 +73,9 @@ NOTE [ What bench train measures ]
   warm-up and the measured steps, on the default allocator: no ``mallopt``,
   no ``malloc_trim``, no environment variable changed, because a user's
   process calls none of them, and ``top`` shows what that leaves resident.
-  (A store with an ``activation_budget`` calls ``malloc_trim`` itself once
-  a step, NOTE [ The heap at a step's start ] in tierstore/backends/host.py:
-  that is tierstore's behaviour, which a user's process gets too.)
+  (A store with an ``activation_budget`` calls ``malloc_trim`` itself,
+  NOTE [ Handing the heap back ] in tierstore/backends/host.py: that is
+  tierstore's behaviour, which a user's process gets too.)
   Sampled every ~1 ms by a thread (``RssAnon``, read as resident minus shared
   pages of ``/proc/self/statm``: the same kernel counters as
   ``/proc/self/status``, ten times cheaper to read). The JSON keeps the
