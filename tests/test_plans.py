@@ -452,7 +452,7 @@ def test_the_heap_goes_back_each_time_a_budgets_worth_has_left(
     # NOTE [ Handing the heap back ], with no floor between releases: the
     # smaller budget offloads more bytes in smaller portions, so releases
     # more often; both release more than once a step.
-    monkeypatch.setattr("tierstore.store.RELEASE_MIN_BYTES", 0)
+    monkeypatch.setattr("tierstore.transfers.RELEASE_MIN_BYTES", 0)
     releases = []
     for budget in (0.05, 0.3):
         store = budget_store(budget)

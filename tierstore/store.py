@@ -40,7 +40,6 @@ from typing import Any
 import torch
 
 from tierstore import codec
-from tierstore.backends.host import RELEASE_MIN_BYTES
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.entry import Entry, TierState
 from tierstore.errors import (
@@ -219,9 +218,6 @@ class TierManager:
                 self._pipeline.io_cpu_s,
             )
         self._resident_peak = 0
-        # Bytes a planned CPU step let go of since the heap was last handed
-        # back (NOTE [ Handing the heap back ] in tierstore/backends/host.py).
-        self._let_go_bytes = 0
         self._parent: int | None = None  # NOTE [ Forked children ] in tierstore/forks.py
         leave_to_parent(self)
 
@@ -370,10 +366,7 @@ class TierManager:
         """
         self._reads.limit.step_started()
         self._writes.limit.step_started()
-        heap = cpu and self.plans is not None
-        self._transfers.trim(heap=heap)
-        if heap:
-            self._let_go_bytes = 0
+        self._transfers.trim(heap=cpu and self.plans is not None)
 
     def _let_go(self, nbytes: int) -> None:
         """Count bytes of a planned CPU step that left memory; hand the heap back past a budget's.
@@ -381,10 +374,7 @@ class TierManager:
         NOTE [ Handing the heap back ] in tierstore/backends/host.py. Under the lock.
         """
         assert self.plans is not None
-        self._let_go_bytes += nbytes
-        if self._let_go_bytes >= max(self.plans.budget_bytes_now(), RELEASE_MIN_BYTES):
-            self._let_go_bytes = 0
-            self._transfers.release_heap()
+        self._transfers.let_go(nbytes, self.plans.budget_bytes_now())
 
     def get(self, handle: Handle) -> torch.Tensor:
         """The tensor ``handle`` refers to, on its original device, shape and strides.

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tierstore import codec
-from tierstore.backends.host import HostBlock, HostPool, release_free_heap
+from tierstore.backends.host import RELEASE_MIN_BYTES, HostBlock, HostPool, release_free_heap
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.entry import Entry
 from tierstore.errors import StoreClosedError, TierFullError
@@ -144,6 +144,7 @@ class Transfers:
         self._copying: deque[Entry] = deque()
         self.copying_bytes = 0
         self.heap_releases = 0
+        self._let_go_bytes = 0  # since the heap was last handed back
         leave_to_parent(self)
 
     def _forked(self) -> None:
@@ -216,11 +217,31 @@ class Transfers:
         if heap:
             self.release_heap()
 
+    def let_go(self, nbytes: int, budget: int) -> None:
+        """Count ``nbytes`` a planned CPU step let go of; past ``budget``'s worth, release the heap.
+
+        No more often than every :data:`~tierstore.backends.host.RELEASE_MIN_BYTES`
+        (NOTE [ Handing the heap back ] in tierstore/backends/host.py).
+
+        Example:
+            >>> from tierstore import TierConfig
+            >>> from tierstore.transfers import Transfers
+            >>> transfers = Transfers(TierConfig())
+            >>> transfers.let_go(1 << 20, budget=0)  # 1 MiB: not yet
+            >>> transfers.heap_releases
+            0
+            >>> transfers.close()
+        """
+        self._let_go_bytes += nbytes
+        if self._let_go_bytes >= max(budget, RELEASE_MIN_BYTES):
+            self.release_heap()
+
     def release_heap(self) -> None:
         """Hand the process heap's free pages back, counted in :attr:`heap_releases`.
 
         NOTE [ Handing the heap back ] in tierstore/backends/host.py.
         """
+        self._let_go_bytes = 0
         if release_free_heap():
             self.heap_releases += 1
 
