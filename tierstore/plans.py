@@ -71,12 +71,12 @@ __all__ = ["PlanRunner", "budget_bytes"]
 # minutes after the profile (bench train's floor, in one process: 13.4 s
 # at the first planned step, 9.9-10.6 at the next three, 9.4-10.1 at the
 # three after), and a prediction checked only on the first four of those
-# ended at 1.21x the measured step. A step slower than predicted charges the difference to the
-# bytes it moved (moved_s_per_byte: on a CPU, copies and checksums share
-# its cores with the step); a faster one scales the profile's compute times
-# down to it. Once a prediction holds, a plan is remade only when three
-# steps' median leaves it by 10%: re-planning costs time, and a plan that
-# keeps changing cannot be measured.
+# ended at 1.21x the measured step. A step slower than predicted charges
+# the difference to the bytes it moved (moved_s_per_byte: on a CPU, copies
+# and checksums share its cores with the step); a faster one scales the
+# profile's compute times down to it. Once a prediction holds, a plan is
+# remade only when three steps' median leaves it by 10%: re-planning costs
+# time, and a plan that keeps changing cannot be measured.
 
 #: How far a prediction may be off before the plan is made again.
 REFIT_TOLERANCE = 0.10
