@@ -473,7 +473,7 @@ class PlanRunner:
         )
 
     def _refit(self, measured: float) -> str | None:
-        """NOTE [ Planned steps ]: the two checks of a plan's prediction, and the corrections."""
+        """NOTE [ Planned steps ]: the checks of a plan's prediction, and the corrections."""
         plan = self.plan
         assert plan is not None
         checks = self._checks.setdefault(self._expected, _Checks())
