@@ -127,13 +127,13 @@ class HostBlock:
 # back, in backward), but no more often than every RELEASE_MIN_BYTES, as
 # each call walks the heaps (a tiny budget would call after every save;
 # glibc maps allocations larger than that apart anyway, and unmaps them
-# when they are freed). Nothing in use is
-# freed and no allocator setting changes; a page used again is faulted
-# back in, zeroed. Measured with the same script, handing back at every
-# step's start only: forward peaks 513-592 MiB; also every 12 saves and 12
-# unpacks (about the budget's 61 MiB): 403-446 MiB, backward 320-346.
-# Without a budget tierstore promises no bound and does none of this. Where
-# the C library has no malloc_trim (musl, macOS, Windows) nothing happens.
+# when they are freed). Nothing in use is freed and no allocator setting
+# changes; a page used again is faulted back in, zeroed. Measured with the
+# same script, handing back at every step's start only: forward peaks
+# 513-592 MiB; also every 12 saves and 12 unpacks (about the budget's 61
+# MiB): 403-446 MiB, backward 320-346. Without a budget tierstore promises
+# no bound and does none of this. Where the C library has no malloc_trim
+# (musl, macOS, Windows) nothing happens.
 
 #: The fewest bytes a planned step lets go of between two heap releases
 #: (NOTE [ Handing the heap back ]): glibc's largest heap allocation.

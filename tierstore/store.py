@@ -302,8 +302,8 @@ class TierManager:
                     raise
             if self.plans is not None:
                 self._note_resident()
-                if entry.tier != "device" and entry.device.type == "cpu":
-                    self._let_go(size)
+            if entry.tier != "device":
+                self._let_go(size, entry.device)
             return self._handle(entry, t)
 
     # -- activation_budget (NOTE [ Planned steps ] in plans.py) ---------------------
@@ -368,13 +368,13 @@ class TierManager:
         self._writes.limit.step_started()
         self._transfers.trim(heap=cpu and self.plans is not None)
 
-    def _let_go(self, nbytes: int) -> None:
-        """Count bytes of a planned CPU step that left memory; hand the heap back past a budget's.
+    def _let_go(self, nbytes: int, device: torch.device) -> None:
+        """Bytes of a save that left ``device``'s memory: counted by a planned CPU step.
 
         NOTE [ Handing the heap back ] in tierstore/backends/host.py. Under the lock.
         """
-        assert self.plans is not None
-        self._transfers.let_go(nbytes, self.plans.budget_bytes_now())
+        if self.plans is not None and device.type == "cpu":
+            self._transfers.let_go(nbytes, self.plans.budget_bytes_now())
 
     def get(self, handle: Handle) -> torch.Tensor:
         """The tensor ``handle`` refers to, on its original device, shape and strides.
@@ -398,8 +398,8 @@ class TierManager:
             got = self._fetch(entry, first)
             if self.plans is not None:  # with this entry taken and the reads topped up
                 self._note_resident()
-                if entry.tier != "device" and entry.device.type == "cpu":
-                    self._let_go(entry.nbytes)
+            if entry.tier != "device":
+                self._let_go(entry.nbytes, entry.device)
         if isinstance(got, torch.Tensor):
             return got
         return self._reads.finish(entry, got, self._lock)  # waits outside the lock
@@ -470,8 +470,8 @@ class TierManager:
             self._recomputed += 1
             self._recomputed_bytes += nbytes
             self.tally.add("recomputed", nbytes)
-            if self.plans is not None and device is not None and device.type == "cpu":
-                self._let_go(nbytes)
+            if device is not None:
+                self._let_go(nbytes, device)
 
     def pack_tally(self) -> PackTally:
         """A snapshot of the saves by where they went (NOTE [ Is it working? ])."""
