@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -110,7 +111,22 @@ log = logging.getLogger("tierstore")
 # one integer comparison per block. Moved bytes, hits and waits in a line are
 # those since the previous line; peaks are the store's.
 
-_local = threading.local()
+
+class _Local(threading.local):
+    """This thread's hook state.
+
+    Class defaults: a missing attribute of a threading.local raises inside
+    getattr, which costs a save microseconds.
+    """
+
+    tier: Tier | None = None
+    recompute = False
+    recorder: Recorder | None = None
+    tracker: ModuleTracker | None = None
+    active = 0
+
+
+_local = _Local()
 
 
 class _BufferWatch:
@@ -167,7 +183,7 @@ torch.nn.modules.module.register_module_buffer_registration_hook(_buffers.regist
 
 def _requested_tier() -> Tier | None:
     """The tier the innermost keep() asks for, ``None`` outside any (NOTE [ Named tiers ])."""
-    return getattr(_local, "tier", None)
+    return _local.tier
 
 
 def _checked_tier(tier: object, where: str) -> Tier:
@@ -294,13 +310,18 @@ def keep_module(module: torch.nn.Module, tier: Tier = "device") -> _KeepModule:
 
 
 class _Kept:
-    """A saved tensor left on the device, with its version for the check at unpack."""
+    """A saved tensor left on the device, with its version for the check at unpack.
 
-    __slots__ = ("__weakref__", "tensor", "version")
+    ``planned``: bytes a plan kept, counted in its peak until the first use
+    (NOTE [ Saves that stay ] in store.py); 0 otherwise.
+    """
 
-    def __init__(self, tensor: torch.Tensor, version: int) -> None:
+    __slots__ = ("__weakref__", "planned", "tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, version: int, planned: int = 0) -> None:
         self.tensor = tensor
         self.version = version
+        self.planned = planned
 
 
 def _offload_nbytes(t: torch.Tensor, min_bytes: int) -> int | Placement:
@@ -310,21 +331,53 @@ def _offload_nbytes(t: torch.Tensor, min_bytes: int) -> int | Placement:
     """
     if type(t) is not torch.Tensor:
         return "parameter" if isinstance(t, torch.nn.Parameter) else "layout"
-    if t.layout is not torch.strided or t.is_nested:
+    base = t._base  # first: nn.Linear saves weight.t() at every call
+    if base is not None and isinstance(base, torch.nn.Parameter):
+        return "parameter"
+    if t.layout is not torch.strided or t.is_nested or t._is_zerotensor():  # no storage to copy
         return "layout"
-    if t._is_zerotensor():  # no storage to copy
-        return "layout"
-    if t.device.type == "meta" or t.is_conj() or t.is_neg() or t.is_quantized:
+    if t.is_meta or t.is_conj() or t.is_neg() or t.is_quantized:
         return "layout"
     nbytes = resting_nbytes(t)
     if nbytes < min_bytes:
         return "min_offload_bytes"
-    base = t._base
-    if base is not None and isinstance(base, torch.nn.Parameter):
-        return "parameter"
-    if t.grad_fn is None and t.untyped_storage() in _buffers.storages:
+    if t.grad_fn is None and _buffers.storages and t.untyped_storage() in _buffers.storages:
         return "parameter"
     return nbytes
+
+
+# NOTE [ Hooks and Dynamo ]
+# Dynamo must never trace the hooks (locks, threads, file I/O). It would:
+# eager code that runs while its frame callback is active (module.compile()
+# on a module it does not capture) calls them as new frames, and compiled
+# autograd calls the unpack hook from its graph. torch.compiler.disable's
+# wrapper costs microseconds a call (it swaps the frame callback out and
+# back), which is most of what a save that stays may cost (NOTE [ Saves
+# that stay ] in store.py). So a hook asks first whether any frame callback
+# is set, and takes the disabled wrapper only then: plain eager, where no
+# callback is set and nothing can trace it, calls the hook itself.
+
+_frame_callback = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None
+)
+
+_HookT = TypeVar("_HookT", bound=Callable[..., Any])
+
+
+def _never_traced(fn: _HookT) -> _HookT:
+    """``fn`` as a hook Dynamo never traces, at no cost in eager (NOTE [ Hooks and Dynamo ])."""
+    disabled = torch._compile._disable_dynamo(fn)
+    callback = _frame_callback
+    if callback is None:  # a torch without the query: always the wrapper
+        return disabled  # type: ignore[no-any-return]
+
+    @functools.wraps(fn)
+    def hook(*args: Any) -> Any:
+        if callback() is None:
+            return fn(*args)
+        return disabled(*args)
+
+    return hook  # type: ignore[return-value]
 
 
 def _checked(config: object, where: str) -> TierConfig | None:
@@ -399,13 +452,12 @@ def _tracing() -> bool:
 
 def _recorder() -> Recorder | None:
     """The thread's recorder, when the innermost offload() block asks for recompute."""
-    if not getattr(_local, "recompute", False):
+    if not _local.recompute:
         return None
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
     if ca is not None and (ca.compiled_autograd_enabled or ca.in_compiled_autograd_region):
         return None
-    recorder: Recorder | None = getattr(_local, "recorder", None)
-    return recorder
+    return _local.recorder
 
 
 class TierStore:
@@ -499,7 +551,7 @@ class TierStore:
             self._manager.pack_tally() if watch else None,
         )
         _buffers.use(+1)
-        _local.active = getattr(_local, "active", 0) + 1
+        _local.active += 1
         try:
             block.hooks.__enter__()
         except BaseException:
@@ -507,7 +559,7 @@ class TierStore:
             _buffers.use(-1)
             raise
         # NOTE [ Recompute in blocks ]
-        block.outer_recompute = getattr(_local, "recompute", False)
+        block.outer_recompute = _local.recompute
         runner, timed, depth = self._runner, False, None
         if runner is not None:  # NOTE [ Planned saves ]
             timed = runner.will_profile
@@ -515,10 +567,10 @@ class TierStore:
             depth = MAX_PLANNED_DEPTH
         if policy is not None and _tracing():
             policy = None  # make_fx, FakeTensorMode: tracing keeps today's path
-        if timed and policy is not None and getattr(_local, "tracker", None) is None:
+        if timed and policy is not None and _local.tracker is None:
             block.tracker = _local.tracker = ModuleTracker()
             block.tracker.__enter__()
-        if policy is not None and getattr(_local, "recorder", None) is None:
+        if policy is not None and _local.recorder is None:
             recorder = Recorder(policy, self._stays, timed=timed, max_depth=depth or 8)
             try:
                 recorder.__enter__()  # type: ignore[no-untyped-call]
@@ -567,6 +619,7 @@ class TierStore:
         """NOTE [ Step log ]; with activation_budget, the plan's turn (NOTE [ Planned saves ])."""
         self._step_unpacks = self._unpacks
         self._steps += 1
+        self._manager.step_ended()
         if self._runner is not None and not self._manager.closed:
             line, warning = self._manager.plan_step_ended()
             if line is not None:
@@ -724,12 +777,9 @@ class TierStore:
 
     # -- hooks ---------------------------------------------------------------
 
-    # Dynamo must never trace the hooks (locks, threads, file I/O). It would:
-    # eager code that runs while its frame callback is active (module.compile()
-    # on a module it does not capture) calls them as new frames, and compiled
-    # autograd calls the unpack hook from its graph. _disable_dynamo is
-    # torch.compiler.disable, importing torch._dynamo only at the first call.
-    @torch._compile._disable_dynamo
+    # NOTE [ Hooks and Dynamo ]; a save that stays takes the first return
+    # (NOTE [ Saves that stay ] in store.py).
+    @_never_traced
     def _pack(self, t: torch.Tensor) -> Handle | _Kept | Recipe:
         tier = _requested_tier()
         nbytes = "keep" if tier == "device" else _offload_nbytes(t, self._min_bytes)
@@ -747,16 +797,14 @@ class TierStore:
                 # symbolic: nothing to count. Not detached: torch 2.11 refuses
                 # a FunctionalTensor op here.
                 return _Kept(t, t._version)
-            self._manager.count_kept(t.numel() * t.element_size(), nbytes)
+            size = t.numel() * t.element_size()
             if self._runner is not None and nbytes in ("keep", "min_offload_bytes"):
-                self._runner.kept_fixed(t.numel() * t.element_size())  # activations it keeps
-            kept = _Kept(t.detach(), t._version)
-            recorder = _recorder()
-            if recorder is not None:
-                recorder.note_packed(t, kept, None)
-            return kept
+                self._runner.kept_fixed(size)  # activations it keeps
+            return self._kept(t, size, nbytes)
         if self._runner is not None and tier is None:
             return self._pack_planned(t, nbytes)
+        if tier is None and self._manager.stays(nbytes):
+            return self._kept(t, nbytes, None)
         recorder = _recorder()
         if recorder is None:
             if tier is None:  # the common case; also what wrappers of put() in tests expect
@@ -774,12 +822,26 @@ class TierStore:
             recorder.note_packed(t, packed, None)
         return packed
 
-    def _pack_planned(self, t: torch.Tensor, nbytes: int) -> Handle | Recipe:
+    def _kept(
+        self, t: torch.Tensor, nbytes: int, why: Placement | None, planned: bool = False
+    ) -> _Kept:
+        """``t`` left where it is, counted (``why``: not yet; NOTE [ Saves that stay ])."""
+        if why is not None:
+            self._manager.count_kept(nbytes, why, planned=planned)
+        kept = _Kept(t.detach(), t._version, nbytes if planned else 0)
+        recorder = _recorder()
+        if recorder is not None:
+            recorder.note_packed(t, kept, None)
+        return kept
+
+    def _pack_planned(self, t: torch.Tensor, nbytes: int) -> Handle | _Kept | Recipe:
         """NOTE [ Planned saves ]."""
         runner = self._runner
         assert runner is not None
-        recorder = _recorder()
         choice = runner.choose(nbytes)
+        if choice == "keep":  # NOTE [ Saves that stay ] in store.py
+            return self._kept(t, nbytes, "device_budget", planned=True)
+        recorder = _recorder()
         if choice == "rebuild":
             recipe = recorder.recipe_for(t, nbytes) if recorder is not None else None
             if recipe is not None:
@@ -797,18 +859,21 @@ class TierStore:
                 handle.key,
                 nbytes=nbytes,
                 op=op,
-                module=_module_name(getattr(_local, "tracker", None)),
+                module=_module_name(_local.tracker),
                 rebuild_s=cost,
                 input_keys=tuple(p.key for p in inputs if type(p) is Handle),
                 cuda=t.is_cuda,
             )
         return handle
 
-    @torch._compile._disable_dynamo
+    @_never_traced
     def _unpack(self, packed: Handle | _Kept | Recipe) -> torch.Tensor:
         self._unpacks += 1  # NOTE [ Step log ]; a lost update under threads only delays a line
         if self._runner is not None:
             self._runner.used(packed.key if type(packed) is Handle else -1)
+            if type(packed) is _Kept and packed.planned:
+                self._manager.kept_used(packed.planned)
+                packed.planned = 0
         return self._fetch(packed)
 
     def _fetch(self, packed: Handle | _Kept | Recipe) -> torch.Tensor:
@@ -1007,13 +1072,13 @@ class _OffloadModule:
             stack = self._blocks.stack = []
         return stack
 
-    @torch._compile._disable_dynamo
+    @_never_traced
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         stack = self._stack()
         stack.append(None)
         stack[-1] = self.store._open_block()
 
-    @torch._compile._disable_dynamo
+    @_never_traced
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         stack = self._stack()
         block = stack.pop() if stack else None

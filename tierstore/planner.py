@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -270,6 +271,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
         >>> out.step_s, out.peak_bytes
         (2.0, 100)
     """
+    time.sleep(0)  # let the training thread run: NOTE [ Planning off the training thread ]
     saves = profile.saves
     exposed = [0.0] * len(saves)
     fixed = profile.fixed_bytes

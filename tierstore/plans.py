@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -23,7 +24,7 @@ from typing import Literal
 
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.pipeline import LinkClock
-from tierstore.planner import Choice, Plan, Profile, Save, make_plan
+from tierstore.planner import Choice, Plan, Profile, Save, make_plan, simulate
 
 __all__ = ["PlanRunner", "budget_bytes"]
 
@@ -78,8 +79,32 @@ __all__ = ["PlanRunner", "budget_bytes"]
 # remade only when three steps' median leaves it by 10%: re-planning costs
 # time, and a plan that keeps changing cannot be measured.
 
+# NOTE [ Planning off the training thread ]
+# make_plan searches: each move it weighs is a simulation of the whole step,
+# seconds for a step of hundreds of saves. A step must never wait for that.
+# The first plan of a shape of step is made where its profile ends (once,
+# as a compiler compiles once); every later one runs on a thread of its own
+# while the steps go on under the plan they have, and the runner switches
+# to it at the first step boundary after it is ready. The planner gives the
+# interpreter lock up between simulations (time.sleep(0)), so the training
+# thread's Python waits one simulation at most. A check that finds the
+# prediction off re-plans only when the choices could change: a step slower
+# than predicted because the moved bytes cost more than the profile said
+# (moved_s_per_byte) reweighs offload against rebuild; a step faster or
+# slower by its compute alone, or a plan that moves nothing, only rescales
+# the prediction (one simulation of the same choices, on the training thread,
+# between steps). And a check acts only when the step is off by more than
+# the tolerance *and* by more than the spread of the steps it judged, twice
+# in a row (at once if off by FAR_OFF): a machine whose steps jitter by 15%
+# does not re-plan on jitter.
+# The thread is a daemon that holds nothing but numbers; close() drops its
+# result. Tests and the bench pass background=False to make plans where the
+# check runs.
+
 #: How far a prediction may be off before the plan is made again.
 REFIT_TOLERANCE = 0.10
+#: How far off a check acts on at once, without waiting for the next to agree.
+FAR_OFF = 0.5
 #: The planned steps whose median each check after the first compares with the prediction.
 REFIT_STEPS = 3
 #: How many plans, one per shape of step, the runner keeps (NOTE [ Planned steps ]).
@@ -151,8 +176,14 @@ class PlanRunner:
         reads: LinkClock,
         waits: object,
         io_cpu: object = None,
+        *,
+        background: bool = True,
     ) -> None:
         assert config.activation_budget is not None
+        self.background = background  # NOTE [ Planning off the training thread ]
+        self._remaking: threading.Thread | None = None
+        self._remade: tuple[tuple[int, ...], Plan, str] | None = None
+        self._closed = False
         self.budget = config.activation_budget
         self._config = config
         self._writes = writes
@@ -194,8 +225,14 @@ class PlanRunner:
 
     @property
     def rebuilds(self) -> bool:
-        """Whether a kept plan rebuilds anything (the recorder must run: a step may switch)."""
-        return any("rebuild" in plan.choices for plan in self._plans.values())
+        """Whether the plan the next step starts on rebuilds anything (the recorder must run).
+
+        A step that switches mid-way to a plan that rebuilds finds no recipe
+        for those saves and offloads them instead (NOTE [ Planned saves ] in
+        hooks.py): no dispatch mode runs on the ops of a step that rebuilds
+        nothing.
+        """
+        return self.plan is not None and "rebuild" in self.plan.choices
 
     def window_bytes(self) -> int | None:
         """The most any kept plan holds in flight each way; ``None`` before the first plan."""
@@ -380,8 +417,9 @@ class PlanRunner:
     def step_ended(self, peak_bytes: int) -> str | None:
         """The step under way ended; returns the INFO line of a plan made or remade."""
         step, self._step = self._step, None
+        adopted = self._adopt()
         if step is None:
-            return None
+            return adopted
         total = time.perf_counter() - step.started
         if step.profiling:
             if not self._warmed:
@@ -395,7 +433,24 @@ class PlanRunner:
         self.plan.measured_step_s = total
         self.plan.measured_peak_bytes = peak_bytes
         self.plan.steps += 1
-        return self._refit(total)
+        return self._refit(total) or adopted
+
+    def close(self) -> None:
+        """Drop a plan still being made (NOTE [ Planning off the training thread ]). Idempotent."""
+        self._closed = True
+        self._remade = None
+
+    def _adopt(self) -> str | None:
+        """Switch to a plan remade off the training thread, if one is ready: its INFO line."""
+        remade, self._remade = self._remade, None
+        if remade is None:
+            return None
+        expected, plan, line = remade
+        if expected == self._expected:
+            self._use(expected, plan)
+        elif expected in self._plans:
+            self._plans[expected] = plan
+        return line
 
     # -- planning --------------------------------------------------------------------
 
@@ -451,9 +506,44 @@ class PlanRunner:
         return self._make(profile, "made")
 
     def _make(self, profile: Profile, verb: str) -> str:
-        budget = budget_bytes(self.budget, profile.saved_bytes)
-        plan = make_plan(profile, budget)
+        plan = make_plan(profile, budget_bytes(self.budget, profile.saved_bytes))
         self._use(self._expected, plan)
+        return self._made(plan, verb)
+
+    def _remake(self, profile: Profile) -> str | None:
+        """Make the plan again off the training thread (NOTE [ Planning off the training thread ]).
+
+        Without a background thread, at once: the INFO line.
+        """
+        if not self.background:
+            return self._make(profile, "remade")
+        if self._remaking is not None and self._remaking.is_alive():
+            return None  # one at a time: the check after it judges the new plan
+        expected = self._expected
+
+        def remake() -> None:
+            plan = make_plan(profile, budget_bytes(self.budget, profile.saved_bytes))
+            if not self._closed:
+                self._remade = (expected, plan, self._made(plan, "remade"))
+
+        self._remaking = threading.Thread(target=remake, name="tierstore-plan", daemon=True)
+        self._remaking.start()
+        return None
+
+    def _rescaled(self, profile: Profile) -> str:
+        """The plan under way with its prediction made on ``profile``: the same choices."""
+        plan = self.plan
+        assert plan is not None
+        outcome = simulate(profile, plan.choices, plan.window_bytes)
+        plan.profile = profile
+        plan.predicted_step_s = outcome.step_s
+        plan.predicted_peak_bytes = outcome.peak_bytes
+        plan.exposed_s = outcome.exposed_s
+        return self._made(plan, "rescaled")
+
+    def _made(self, plan: Plan, verb: str) -> str:
+        """The INFO line of a plan made; the floor warning is set for the caller, once."""
+        budget, profile = plan.budget_bytes, plan.profile
         if not plan.fits and not self._warned:
             self._warned = True
             self.warning = (
@@ -473,7 +563,12 @@ class PlanRunner:
         )
 
     def _refit(self, measured: float) -> str | None:
-        """NOTE [ Planned steps ]: the checks of a plan's prediction, and the corrections."""
+        """NOTE [ Planned steps ]: the checks of a plan's prediction, and the corrections.
+
+        NOTE [ Planning off the training thread ]: a check acts on a step
+        off by more than the tolerance and the spread of what it judged, the
+        second time in a row; only a dearer link re-plans.
+        """
         plan = self.plan
         assert plan is not None
         checks = self._checks.setdefault(self._expected, _Checks())
@@ -482,22 +577,29 @@ class PlanRunner:
         checks.times.append(measured)
         if len(checks.times) == 1 and not checks.checked:
             checks.checked = True
-            basis = measured
+            basis, spread = measured, 0.0
         elif len(checks.times) == REFIT_STEPS:
             basis = statistics.median(checks.times)
+            spread = (max(checks.times) - min(checks.times)) / basis
             checks.times.clear()
         else:
             return None
-        if abs(basis - plan.predicted_step_s) / basis <= REFIT_TOLERANCE:
+        off = (basis - plan.predicted_step_s) / basis
+        if abs(off) <= max(REFIT_TOLERANCE, spread):
+            checks.off = 0.0
             return None
+        if checks.off * off <= 0 and abs(off) < FAR_OFF:
+            checks.off = off  # once: the next check must find it off the same way
+            return None
+        checks.off = 0.0
         checks.times.clear()
         profile = plan.profile
         moved = 2 * plan.bytes_by_choice()["offload"]
         without = plan.predicted_step_s - profile.moved_s_per_byte * moved
         if basis > plan.predicted_step_s and moved:
             per_byte = (basis - without) / moved
-            return self._make(replace(profile, moved_s_per_byte=per_byte), "remade")
-        return self._make(_scaled(profile, basis / plan.predicted_step_s), "remade")
+            return self._remake(replace(profile, moved_s_per_byte=per_byte))
+        return self._rescaled(_scaled(profile, basis / plan.predicted_step_s))
 
 
 @dataclass
@@ -506,6 +608,7 @@ class _Checks:
 
     times: list[float] = field(default_factory=list)  # steps since the last check
     checked: bool = False  # the first planned step was checked alone
+    off: float = 0.0  # how far the last check found the prediction off, if it let it be
 
 
 def _scaled_save(save: Save, factor: float) -> Save:

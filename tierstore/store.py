@@ -119,6 +119,30 @@ __all__ = ["TierManager", "resting_nbytes"]
 # freed storage's address reused, the weak reference dead): a release then
 # removes the registration only if it is its own.
 
+# NOTE [ Saves that stay ]
+# On a GPU the step is often bound by the CPU that launches its kernels, so a
+# save that stays where autograd made it must cost next to nothing: the
+# filters' and keep()'s saves, those a plan keeps, and those device_budget
+# holds. Each costs a decision, a counter under a lock of its own (never the
+# manager's lock, which drains releases, settles copies and harvests writes)
+# and, at unpack, the version check on the kept alias. No entry, handle,
+# finalizer, dedupe key or schedule slot: autograd holds the tensor itself,
+# so it lives exactly as long as eager autograd would keep it, and nothing
+# needs releasing. What that skips is safe to skip:
+#   * placement: an entry without one can never be demoted. So device_budget
+#     keeps saves this way only in a step whose predecessor's offloadable
+#     saves all fitted it (then Belady's rule demotes nothing), and only up
+#     to the budget; past it, the step's later saves take the full path
+#     with the device tier's budget less what stayed. The first step, and
+#     one after a step that did not fit, take the full path throughout.
+#   * dedupe: saving one tensor twice keeps no second copy anyway; the
+#     counters count it twice, as they count kept parameters.
+#   * the version check: the kept alias is a detach(), which shares the
+#     version counter; unpack compares it, as eager autograd does.
+#   * the plan's measured peak: a save the plan keeps is resident from its
+#     save to its first use in backward (counted in at pack, out at that
+#     unpack), beside the device tier and the bytes in flight.
+
 # NOTE [ Deferred release ]
 # A Handle's finalizer can run at any moment: in another thread, or in this
 # one while put() holds the lock (a garbage collection triggered inside put).
@@ -195,10 +219,17 @@ class TierManager:
         self._writes = WriteBehind(
             config, self._pipeline, self._transfers, self._tiers, self._entries
         )
-        self._packed = 0
+        self._packed = 0  # saves that took the full path; kept ones are in _kept
         self._deduplicated = 0
+        # NOTE [ Saves that stay ]: their counters, under a lock of their own.
+        self._counts = threading.Lock()
         self._kept = 0
         self._kept_bytes = 0
+        self._kept_now = 0  # bytes a plan kept this step, not yet used by backward
+        self._fits = False  # this step's saves may stay by device_budget
+        self._room = 0  # what the device tier had free of device_budget as the step began
+        self._step_bytes = 0  # offloadable bytes saved this step (the hooks ask stays())
+        self._stayed = 0  # of them, bytes that stayed by device_budget without an entry
         self._recomputed = 0
         self._recomputed_bytes = 0
         self._restrided_views = 0  # NOTE [ Spans ] in codec.py: views that come back dense
@@ -282,6 +313,8 @@ class TierManager:
                 self._tally(entry, 0)
                 return self._handle(entry, t)
             entry = Entry(next(self._keys), t.detach(), size)
+            if self._stayed:  # NOTE [ Saves that stay ]: the device tier holds the rest
+                self._tiers["device"].budget = max(0, int(self.config.device_budget) - self._stayed)
             if copies_over:  # NOTE [ Copies in flight ]
                 self._hold(entry, "device")
             else:
@@ -316,12 +349,17 @@ class TierManager:
 
     def _note_resident(self) -> None:
         """Saved bytes on the device now, in flight included: the peak the budget bounds."""
-        resident = (
+        with self._counts:
+            self._resident_peak = max(self._resident_peak, self._resident())
+
+    def _resident(self) -> int:
+        """Saved bytes on the device: the device tier, in flight, and what the plan kept."""
+        return (
             self._tiers["device"].bytes
             + self._reads.outstanding_bytes()
             + self._writes.queued_bytes
+            + self._kept_now
         )
-        self._resident_peak = max(self._resident_peak, resident)
 
     def plan_step_ended(self) -> tuple[str | None, str | None]:
         """The step ended: plan from its profile or measure the plan; (INFO line, warning)."""
@@ -329,7 +367,8 @@ class TierManager:
         assert runner is not None
         with self._locked():
             line = runner.step_ended(self._resident_peak)
-            self._resident_peak = 0
+            with self._counts:
+                self._resident_peak = self._kept_now = 0
             # A plan's window bounds both ways: the write queue is resident
             # too, and a queue grown past the plan's would break the budget.
             # The limits stay within the largest kept plan's window; each
@@ -429,13 +468,53 @@ class TierManager:
             if version is not None and version != handle.version:
                 raise modified_in_place(handle.shape, handle.dtype, version, handle.version)
 
-    def count_kept(self, nbytes: int, why: Placement = "keep") -> None:
-        """Count a saved tensor the caller left on the device, and why."""
-        with self._locked():
-            self._packed += 1
+    def count_kept(self, nbytes: int, why: Placement = "keep", *, planned: bool = False) -> None:
+        """Count a saved tensor the caller left on the device, and why (NOTE [ Saves that stay ]).
+
+        ``planned``: the plan kept it; it is resident until :meth:`kept_used`.
+        """
+        with self._counts:
             self._kept += 1
             self._kept_bytes += nbytes
             self.tally.add(why, nbytes)
+            if planned:  # forward: nothing is read ahead yet, and the reads' count is theirs
+                self._kept_now += nbytes
+                resident = self._kept_now + self._tiers["device"].bytes + self._writes.queued_bytes
+                self._resident_peak = max(self._resident_peak, resident)
+
+    def kept_used(self, nbytes: int) -> None:
+        """Backward first used a save the plan kept: no longer in the step's peak."""
+        with self._counts:
+            self._kept_now -= nbytes
+
+    def stays(self, nbytes: int) -> bool:
+        """Whether a save of ``nbytes`` stays on the device by device_budget, counted if so.
+
+        NOTE [ Saves that stay ]: only in a step whose predecessor fitted, and
+        only while this step's saves so far fit too; once one does not, the
+        device tier holds the budget less what stayed.
+        """
+        with self._counts:
+            self._step_bytes += nbytes
+            if self._fits and self._step_bytes <= self._room:
+                self._stayed += nbytes
+                self._kept += 1
+                self._kept_bytes += nbytes
+                self.tally.add("device_budget", nbytes)
+                return True
+            self._fits = False  # the rest of the step takes the full path
+        return False
+
+    def step_ended(self) -> None:
+        """A backward ran and the next step begins (NOTE [ Saves that stay ])."""
+        with self._counts:
+            if self.plans is not None:
+                return
+            device = self._tiers["device"]
+            device.budget = int(self.config.device_budget)
+            self._room = device.budget - device.bytes  # a graph kept across steps holds some
+            self._fits = 0 < self._step_bytes <= self._room
+            self._step_bytes = self._stayed = 0
 
     def empty(
         self,
@@ -469,18 +548,20 @@ class TierManager:
             self._packed += 1
             self._recomputed += 1
             self._recomputed_bytes += nbytes
-            self.tally.add("recomputed", nbytes)
+            with self._counts:
+                self.tally.add("recomputed", nbytes)
             if device is not None:
                 self._let_go(nbytes, device)
 
     def pack_tally(self) -> PackTally:
         """A snapshot of the saves by where they went (NOTE [ Is it working? ])."""
-        with self._lock:
+        with self._counts:
             return self.tally.copy()
 
     def _tally(self, entry: Entry, nbytes: int) -> None:
         """Count a save by where it landed: within device_budget, or below the device."""
-        self.tally.add("device_budget" if entry.tier == "device" else "offloaded", nbytes)
+        with self._counts:
+            self.tally.add("device_budget" if entry.tier == "device" else "offloaded", nbytes)
 
     @property
     def moved(self) -> bool:
@@ -522,7 +603,7 @@ class TierManager:
                 )
                 for name, s in self._tiers.items()
             },
-            packed=self._packed,
+            packed=self._packed + self._kept,
             deduplicated=self._deduplicated,
             kept=self._kept,
             kept_bytes=self._kept_bytes,
@@ -567,6 +648,8 @@ class TierManager:
             if self._closed:
                 return
             self._closed = True
+            if self.plans is not None:
+                self.plans.close()
             futures: list[concurrent.futures.Future[Any]] = list(self._writes.futures())
             futures += self._reads.in_flight()
             self._reads.close()

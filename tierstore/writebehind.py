@@ -217,6 +217,8 @@ class WriteBehind:
 
     def harvest(self) -> None:
         """Settle finished writes (NOTE [ Write-behind ])."""
+        if not self._writing:  # every lock of the manager drains: most find nothing
+            return
         for key in [k for k, e in self._writing.items() if e.writing and e.writing.done()]:
             entry = self._writing.pop(key)
             future, entry.writing = entry.writing, None

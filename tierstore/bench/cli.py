@@ -1,4 +1,4 @@
-"""``tierstore bench storage``, ``train``, ``soak`` and ``recording``: the benchmark commands.
+"""``tierstore bench storage``, ``train``, ``soak``, ``recording`` and ``overhead``: the benchmarks.
 
 :func:`add_bench_parser` adds them to the ``tierstore`` command's
 subparsers; each sets ``run`` to the function that runs it.
@@ -19,7 +19,7 @@ import argparse
 import re
 from typing import Any
 
-from tierstore.bench import recording, soak, storage, train
+from tierstore.bench import overhead, recording, soak, storage, train
 
 __all__ = ["add_bench_parser", "summary"]
 
@@ -73,7 +73,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
         description="Benchmarks that print ratios measured side by side in one run.",
     )
     sub = bench.add_subparsers(
-        dest="bench_command", required=True, metavar="{storage,train,soak,recording}"
+        dest="bench_command", required=True, metavar="{storage,train,soak,recording,overhead}"
     )
     p = sub.add_parser(
         "storage",
@@ -105,3 +105,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
     )
     recording.add_arguments(p)
     p.set_defaults(run=recording.run)
+    p = sub.add_parser(
+        "overhead",
+        help="microseconds per saved tensor that tierstore's own Python costs, and the "
+        "slowest step against the median",
+        description=summary(overhead.__doc__),
+    )
+    overhead.add_arguments(p)
+    p.set_defaults(run=overhead.run)

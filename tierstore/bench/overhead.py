@@ -1,0 +1,273 @@
+"""``tierstore bench overhead``: what tierstore's own Python costs per saved tensor.
+
+A chain of many small ``Linear`` + GELU layers makes hundreds of saves a
+step with little compute around each, so the cost of a save's trip through
+the hooks and the store is not hidden behind compute. Rows, side by side
+in one process: no hooks, identity ``saved_tensors_hooks``, tierstore with
+every save kept (``device_budget`` larger than the step), and
+``activation_budget`` at 1.0 and 0.5. The rows take turns in rounds of a
+few steps each, so the machine's drift (another process, a clock change)
+falls on every row alike. Each row reports microseconds per save over no
+hooks (the difference of medians over the saves of one step), and the
+mean and the largest step over the median: a plan made on the training
+thread, or a stall every few steps, shows there and not in the median.
+Gradients of every row are checked bitwise against no hooks' on the same
+batch.
+
+Example:
+    >>> import argparse
+    >>> from tierstore.bench.overhead import add_arguments
+    >>> p = argparse.ArgumentParser(); add_arguments(p)
+    >>> p.parse_args(["--quick"]).rounds
+    2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from tierstore.config import TierConfig
+from tierstore.hooks import TierStore
+
+__all__ = ["OverheadRow", "add_arguments", "measure", "run"]
+
+#: What the issue that asked for this bench holds a row to, on a CPU.
+MAX_US_PER_KEPT_SAVE = 5.0
+MAX_MEAN_OVER_MEDIAN = 1.05
+MAX_MAX_OVER_MEDIAN = 1.5
+
+
+@dataclass
+class OverheadRow:
+    """One row of :func:`measure`: its step times in seconds, and the figures judged.
+
+    Example:
+        >>> row = OverheadRow("kept", [0.010, 0.011, 0.012])
+        >>> row.median_s, round(row.max_over_median, 3)
+        (0.011, 1.091)
+    """
+
+    name: str
+    steps_s: list[float]
+    us_per_save: float = 0.0
+    grads_equal: bool = True
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def median_s(self) -> float:
+        """The median step."""
+        return statistics.median(self.steps_s)
+
+    @property
+    def mean_over_median(self) -> float:
+        """The mean step over the median: stalls every few steps raise it."""
+        return statistics.fmean(self.steps_s) / self.median_s
+
+    @property
+    def max_over_median(self) -> float:
+        """The slowest step over the median."""
+        return max(self.steps_s) / self.median_s
+
+
+def _chain(layers: int, width: int, seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    mods: list[torch.nn.Module] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*mods)
+
+
+def _identity() -> contextlib.AbstractContextManager[Any]:
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+def _count_saves(model: torch.nn.Module, x: torch.Tensor) -> int:
+    seen = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[0] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x).square().mean()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return seen[0]
+
+
+@contextlib.contextmanager
+def _stores(directory: str) -> Iterator[dict[str, Callable[[], Any]]]:
+    """The rows' contexts; the stores close on exit."""
+    base = {"min_offload_bytes": 0, "disk_path": directory}
+    kept = TierStore(TierConfig(device_budget="64GiB", disk_budget=0, **base))
+    full = TierStore(TierConfig(activation_budget=1.0, **base))
+    half = TierStore(TierConfig(activation_budget=0.5, **base))
+    try:
+        yield {
+            "none": contextlib.nullcontext,
+            "identity": _identity,
+            "kept": kept.offload,
+            "budget=1.0": full.offload,
+            "budget=0.5": half.offload,
+        }
+    finally:
+        for store in (kept, full, half):
+            store.close()
+
+
+def measure(
+    *,
+    layers: int = 200,
+    width: int = 64,
+    batch: int = 32,
+    rounds: int = 8,
+    steps_per_round: int = 8,
+    warmup: int = 8,
+) -> list[OverheadRow]:
+    """Time every row on one model, interleaved in rounds; see the module's docstring.
+
+    Example:
+        >>> rows = measure(layers=4, width=8, batch=2, rounds=1, steps_per_round=2, warmup=4)
+        >>> [r.name for r in rows], all(r.grads_equal for r in rows)
+        (['none', 'identity', 'kept', 'budget=1.0', 'budget=0.5'], True)
+    """
+    model = _chain(layers, width)
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
+    saves = _count_saves(model, x)
+
+    def step(ctx: Callable[[], Any]) -> list[torch.Tensor]:
+        with ctx():
+            loss = model(x).square().mean()
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    with (
+        tempfile.TemporaryDirectory(prefix="tierstore-bench-") as directory,
+        _stores(directory) as rows,
+    ):
+        reference = step(rows["none"])
+        out = {name: OverheadRow(name, []) for name in rows}
+        for name, ctx in rows.items():
+            for _ in range(warmup):
+                grads = step(ctx)
+            out[name].grads_equal = all(
+                torch.equal(a, b) for a, b in zip(grads, reference, strict=True)
+            )
+        for _ in range(rounds):
+            for name, ctx in rows.items():
+                for _ in range(steps_per_round):
+                    start = time.perf_counter()
+                    step(ctx)
+                    out[name].steps_s.append(time.perf_counter() - start)
+        for name, ctx in rows.items():
+            store = getattr(ctx, "__self__", None)
+            if isinstance(store, TierStore):
+                s = store.stats()
+                out[name].stats = {
+                    "kept": s.kept,
+                    "packed": s.packed,
+                    "recomputed": s.recomputed,
+                    "bytes_written": sum(t.bytes_written for t in s.tiers.values()),
+                }
+    base = out["none"].median_s
+    for row in out.values():
+        row.us_per_save = (row.median_s - base) / saves * 1e6
+        row.stats["saves_per_step"] = saves
+    return list(out.values())
+
+
+def _verdict(row: OverheadRow) -> str:
+    checks = []
+    if row.name in ("kept", "budget=1.0"):
+        checks.append(row.us_per_save <= MAX_US_PER_KEPT_SAVE)
+    if row.name.startswith("budget="):
+        checks.append(row.mean_over_median <= MAX_MEAN_OVER_MEDIAN)
+        checks.append(row.max_over_median <= MAX_MAX_OVER_MEDIAN)
+    if not row.grads_equal:
+        return "GRADIENTS DIFFER"
+    if not checks:
+        return ""
+    return "meets" if all(checks) else "misses"
+
+
+def report(rows: list[OverheadRow]) -> str:
+    """The rows as a table that fits 100 columns.
+
+    Example:
+        >>> print(report([OverheadRow("none", [0.01, 0.01]), OverheadRow("kept", [0.011, 0.012])]))
+        ... # doctest: +NORMALIZE_WHITESPACE
+        row           median   us/save  mean/med  max/med  steps  target
+        none         10.0 ms       0.0      1.00     1.00      2
+        kept         11.5 ms       0.0      1.00     1.04      2  meets
+    """
+    lines = [
+        f"{'row':<12}{'median':>8}{'us/save':>10}{'mean/med':>10}{'max/med':>9}{'steps':>7}  target"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.name:<12}{r.median_s * 1e3:>5.1f} ms{r.us_per_save:>10.1f}"
+            f"{r.mean_over_median:>10.2f}{r.max_over_median:>9.2f}{len(r.steps_s):>7}  "
+            f"{_verdict(r)}".rstrip()
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``tierstore bench overhead``."""
+    p.add_argument("--layers", type=int, default=200, help="Linear + GELU pairs (default 200)")
+    p.add_argument("--width", type=int, default=64, help="features per layer (default 64)")
+    p.add_argument("--batch", type=int, default=32, help="rows per batch (default 32)")
+    p.add_argument("--rounds", type=int, default=8, help="rounds of the rows in turn (default 8)")
+    p.add_argument("--steps", type=int, default=8, help="steps per row per round (default 8)")
+    p.add_argument("--warmup", type=int, default=8, help="untimed steps per row (default 8)")
+    p.add_argument("--quick", action="store_true", help="2 rounds of 4 steps: a few seconds")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the bench as the command line asked; exit status 0 unless gradients differ."""
+    rounds, steps = (2, 4) if args.quick else (args.rounds, args.steps)
+    rows = measure(
+        layers=args.layers,
+        width=args.width,
+        batch=args.batch,
+        rounds=rounds,
+        steps_per_round=steps,
+        warmup=args.warmup,
+    )
+    print(report(rows))
+    print(
+        f"targets: kept and budget=1.0 at most {MAX_US_PER_KEPT_SAVE:g} us per save; every "
+        f"budget's mean at most {MAX_MEAN_OVER_MEDIAN:g}x and its slowest step at most "
+        f"{MAX_MAX_OVER_MEDIAN:g}x its median"
+    )
+    if args.json:
+        payload = {
+            "settings": {k: getattr(args, k) for k in ("layers", "width", "batch", "warmup")}
+            | {"rounds": rounds, "steps_per_round": steps, "torch": torch.__version__},
+            "rows": [
+                asdict(r)
+                | {
+                    "median_s": r.median_s,
+                    "mean_over_median": r.mean_over_median,
+                    "max_over_median": r.max_over_median,
+                    "verdict": _verdict(r),
+                }
+                for r in rows
+            ],
+        }
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+    return 0 if all(r.grads_equal for r in rows) else 1
