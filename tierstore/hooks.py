@@ -309,19 +309,37 @@ def keep_module(module: torch.nn.Module, tier: Tier = "device") -> _KeepModule:
     return _KeepModule(module, _checked_tier(tier, "tierstore.keep_module"))
 
 
+#: The recorder that notes a kept save, if one runs (NOTE [ Recompute in blocks ]).
+_Noted = Recorder | None
+
+
 class _Kept:
     """A saved tensor left on the device, with its version for the check at unpack.
 
     ``planned``: bytes a plan kept, counted in its peak until the first use
-    (NOTE [ Saves that stay ] in store.py); 0 otherwise.
+    (NOTE [ Saves that stay ] in store.py); 0 otherwise. ``recorder``: the
+    thread's recorder, which notes it for recipes that read it.
     """
 
     __slots__ = ("__weakref__", "planned", "tensor", "version")
 
-    def __init__(self, tensor: torch.Tensor, version: int, planned: int = 0) -> None:
+    def __init__(
+        self, tensor: torch.Tensor, version: int, planned: int = 0, recorder: _Noted = None
+    ) -> None:
         self.tensor = tensor
         self.version = version
         self.planned = planned
+        if recorder is not None:
+            recorder.note_packed(tensor, self, None)
+
+
+@functools.cache
+def _placeholders() -> tuple[type, ...]:
+    """Tracing placeholders (FakeTensor, FunctionalTensor): looked up once."""
+    return (
+        torch._subclasses.fake_tensor.FakeTensor,
+        torch._subclasses.functional_tensor.FunctionalTensor,
+    )
 
 
 def _offload_nbytes(t: torch.Tensor, min_bytes: int) -> int | Placement:
@@ -329,21 +347,38 @@ def _offload_nbytes(t: torch.Tensor, min_bytes: int) -> int | Placement:
 
     See NOTE [ What stays on the device ].
     """
+    nbytes = _sized(t, min_bytes)
+    if type(nbytes) is not int:
+        return nbytes
+    return _unusual(t) or nbytes
+
+
+def _sized(t: torch.Tensor, min_bytes: int) -> int | Placement:
+    """The checks every save pays: a parameter, a layout with no plain bytes, or its size.
+
+    A save that stays by device_budget needs no more (NOTE [ Saves that stay ]
+    in store.py): whatever :func:`_unusual` would say, it stays.
+    """
     if type(t) is not torch.Tensor:
         return "parameter" if isinstance(t, torch.nn.Parameter) else "layout"
-    base = t._base  # first: nn.Linear saves weight.t() at every call
+    base = t._base  # early: nn.Linear saves weight.t() at every call
     if base is not None and isinstance(base, torch.nn.Parameter):
         return "parameter"
-    if t.layout is not torch.strided or t.is_nested or t._is_zerotensor():  # no storage to copy
+    if t.layout is not torch.strided or t.is_nested:
         return "layout"
-    if t.is_meta or t.is_conj() or t.is_neg() or t.is_quantized:
-        return "layout"
-    nbytes = resting_nbytes(t)
+    nbytes: int = t.nbytes if t.is_contiguous() else resting_nbytes(t)
     if nbytes < min_bytes:
         return "min_offload_bytes"
+    return nbytes
+
+
+def _unusual(t: torch.Tensor) -> Placement | None:
+    """Why a plain-sized ``t`` still stays: no storage, no data, lazy bits, or a buffer."""
+    if t._is_zerotensor() or t.is_meta or t.is_conj() or t.is_neg() or t.is_quantized:
+        return "layout"
     if t.grad_fn is None and _buffers.storages and t.untyped_storage() in _buffers.storages:
         return "parameter"
-    return nbytes
+    return None
 
 
 # NOTE [ Hooks and Dynamo ]
@@ -781,30 +816,37 @@ class TierStore:
     # (NOTE [ Saves that stay ] in store.py).
     @_never_traced
     def _pack(self, t: torch.Tensor) -> Handle | _Kept | Recipe:
-        tier = _requested_tier()
-        nbytes = "keep" if tier == "device" else _offload_nbytes(t, self._min_bytes)
-        if isinstance(nbytes, str):
-            # Only kept tensors can be tracing placeholders (subclasses are
-            # never offloaded), so the offload path pays no check for them.
-            if isinstance(
-                t,
-                (
-                    torch._subclasses.FakeTensor,
-                    torch._subclasses.functional_tensor.FunctionalTensor,
-                ),
-            ):
-                # make_fx, FakeTensorMode: no data, and a size that may be
-                # symbolic: nothing to count. Not detached: torch 2.11 refuses
-                # a FunctionalTensor op here.
-                return _Kept(t, t._version)
-            size = t.numel() * t.element_size()
-            if self._runner is not None and nbytes in ("keep", "min_offload_bytes"):
-                self._runner.kept_fixed(size)  # activations it keeps
-            return self._kept(t, size, nbytes)
-        if self._runner is not None and tier is None:
-            return self._pack_planned(t, nbytes)
-        if tier is None and self._manager.stays(nbytes):
-            return self._kept(t, nbytes, None)
+        tier = _local.tier
+        if tier is None:
+            nbytes = _sized(t, self._min_bytes)
+            if type(nbytes) is int:
+                if self._runner is None:
+                    if self._manager.stays(nbytes):
+                        return _Kept(t.detach(), t._version, 0, self._recorded(t))
+                    nbytes = _unusual(t) or nbytes
+                    if type(nbytes) is int:
+                        return self._pack_stored(t, nbytes, None)
+                else:
+                    nbytes = _unusual(t) or nbytes
+                    if type(nbytes) is int:
+                        return self._pack_planned(t, nbytes)
+        else:
+            nbytes = "keep" if tier == "device" else _offload_nbytes(t, self._min_bytes)
+            if type(nbytes) is int:
+                return self._pack_stored(t, nbytes, tier)
+        if nbytes == "layout" and isinstance(t, _placeholders()):
+            # make_fx, FakeTensorMode: no data, and a size that may be
+            # symbolic: nothing to count. Not detached: torch 2.11 refuses
+            # a FunctionalTensor op here.
+            return _Kept(t, t._version)
+        size = t.numel() * t.element_size()
+        self._manager.count_kept(size, nbytes)  # type: ignore[arg-type]
+        if self._runner is not None and nbytes in ("keep", "min_offload_bytes"):
+            self._runner.kept_fixed(size)  # activations it keeps
+        return _Kept(t.detach(), t._version, 0, self._recorded(t))
+
+    def _pack_stored(self, t: torch.Tensor, nbytes: int, tier: Tier | None) -> Handle | Recipe:
+        """The full path: an entry in the tier manager, or a recipe (NOTE [ Recompute ])."""
         recorder = _recorder()
         if recorder is None:
             if tier is None:  # the common case; also what wrappers of put() in tests expect
@@ -822,17 +864,10 @@ class TierStore:
             recorder.note_packed(t, packed, None)
         return packed
 
-    def _kept(
-        self, t: torch.Tensor, nbytes: int, why: Placement | None, planned: bool = False
-    ) -> _Kept:
-        """``t`` left where it is, counted (``why``: not yet; NOTE [ Saves that stay ])."""
-        if why is not None:
-            self._manager.count_kept(nbytes, why, planned=planned)
-        kept = _Kept(t.detach(), t._version, nbytes if planned else 0)
-        recorder = _recorder()
-        if recorder is not None:
-            recorder.note_packed(t, kept, None)
-        return kept
+    @staticmethod
+    def _recorded(t: torch.Tensor) -> _Noted:
+        """What the recorder must note of a kept ``t``, when one runs (NOTE [ Recompute ])."""
+        return _local.recorder if _local.recompute else None
 
     def _pack_planned(self, t: torch.Tensor, nbytes: int) -> Handle | _Kept | Recipe:
         """NOTE [ Planned saves ]."""
@@ -840,7 +875,8 @@ class TierStore:
         assert runner is not None
         choice = runner.choose(nbytes)
         if choice == "keep":  # NOTE [ Saves that stay ] in store.py
-            return self._kept(t, nbytes, "device_budget", planned=True)
+            self._manager.kept_by_plan(nbytes)
+            return _Kept(t.detach(), t._version, nbytes, self._recorded(t))
         recorder = _recorder()
         if choice == "rebuild":
             recipe = recorder.recipe_for(t, nbytes) if recorder is not None else None

@@ -219,12 +219,13 @@ class TierManager:
         self._writes = WriteBehind(
             config, self._pipeline, self._transfers, self._tiers, self._entries
         )
-        self._packed = 0  # saves that took the full path; kept ones are in _kept
+        self._packed = 0  # saves that took the full path; kept ones are in _kept_by
         self._deduplicated = 0
         # NOTE [ Saves that stay ]: their counters, under a lock of their own.
         self._counts = threading.Lock()
-        self._kept = 0
-        self._kept_bytes = 0
+        # Saves kept as they are, by why: [count, bytes] (device_budget: by the
+        # budget or the plan, without an entry).
+        self._kept_by: dict[Placement, list[int]] = {"device_budget": [0, 0]}
         self._kept_now = 0  # bytes a plan kept this step, not yet used by backward
         self._fits = False  # this step's saves may stay by device_budget
         self._room = 0  # what the device tier had free of device_budget as the step began
@@ -468,19 +469,25 @@ class TierManager:
             if version is not None and version != handle.version:
                 raise modified_in_place(handle.shape, handle.dtype, version, handle.version)
 
-    def count_kept(self, nbytes: int, why: Placement = "keep", *, planned: bool = False) -> None:
-        """Count a saved tensor the caller left on the device, and why (NOTE [ Saves that stay ]).
-
-        ``planned``: the plan kept it; it is resident until :meth:`kept_used`.
-        """
+    def count_kept(self, nbytes: int, why: Placement = "keep") -> None:
+        """Count a save the caller left on the device, and why (NOTE [ Saves that stay ])."""
         with self._counts:
-            self._kept += 1
-            self._kept_bytes += nbytes
-            self.tally.add(why, nbytes)
-            if planned:  # forward: nothing is read ahead yet, and the reads' count is theirs
-                self._kept_now += nbytes
-                resident = self._kept_now + self._tiers["device"].bytes + self._writes.queued_bytes
-                self._resident_peak = max(self._resident_peak, resident)
+            counts = self._kept_by.get(why)
+            if counts is None:
+                counts = self._kept_by[why] = [0, 0]
+            counts[0] += 1
+            counts[1] += nbytes
+
+    def kept_by_plan(self, nbytes: int) -> None:
+        """Count a save the plan keeps; resident until :meth:`kept_used`."""
+        with self._counts:
+            counts = self._kept_by["device_budget"]
+            counts[0] += 1
+            counts[1] += nbytes
+            # Forward: nothing is read ahead yet, and the reads' count is theirs.
+            self._kept_now += nbytes
+            resident = self._kept_now + self._tiers["device"].bytes + self._writes.queued_bytes
+            self._resident_peak = max(self._resident_peak, resident)
 
     def kept_used(self, nbytes: int) -> None:
         """Backward first used a save the plan kept: no longer in the step's peak."""
@@ -498,9 +505,9 @@ class TierManager:
             self._step_bytes += nbytes
             if self._fits and self._step_bytes <= self._room:
                 self._stayed += nbytes
-                self._kept += 1
-                self._kept_bytes += nbytes
-                self.tally.add("device_budget", nbytes)
+                counts = self._kept_by["device_budget"]
+                counts[0] += 1
+                counts[1] += nbytes
                 return True
             self._fits = False  # the rest of the step takes the full path
         return False
@@ -556,7 +563,21 @@ class TierManager:
     def pack_tally(self) -> PackTally:
         """A snapshot of the saves by where they went (NOTE [ Is it working? ])."""
         with self._counts:
-            return self.tally.copy()
+            tally = self.tally.copy()
+            for why, (n, nbytes) in self._kept_by.items():
+                if n:
+                    had_n, had_bytes = tally.counts.get(why, (0, 0))
+                    tally.counts[why] = (had_n + n, had_bytes + nbytes)
+            return tally
+
+    @property
+    def _kept(self) -> int:
+        """Saves kept as they are, whatever the reason."""
+        return sum(n for n, _ in self._kept_by.values())
+
+    @property
+    def _kept_bytes(self) -> int:
+        return sum(b for _, b in self._kept_by.values())
 
     def _tally(self, entry: Entry, nbytes: int) -> None:
         """Count a save by where it landed: within device_budget, or below the device."""

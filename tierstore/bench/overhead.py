@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import statistics
 import tempfile
@@ -141,6 +142,21 @@ def measure(
         >>> [r.name for r in rows], all(r.grads_equal for r in rows)
         (['none', 'identity', 'kept', 'budget=1.0', 'budget=0.5'], True)
     """
+    # One intra-op thread: the model's ops are tiny, and a second thread's
+    # wake-ups are the largest jitter in its steps; gc runs between rounds.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure(
+            layers, width, batch, rounds, steps_per_round=steps_per_round, warmup=warmup
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(
+    layers: int, width: int, batch: int, rounds: int, *, steps_per_round: int, warmup: int
+) -> list[OverheadRow]:
     model = _chain(layers, width)
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
     saves = _count_saves(model, x)
@@ -167,6 +183,7 @@ def measure(
             )
         for _ in range(rounds):
             for name, ctx in rows.items():
+                gc.collect()
                 for _ in range(steps_per_round):
                     start = time.perf_counter()
                     step(ctx)
