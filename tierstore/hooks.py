@@ -597,7 +597,7 @@ class TierStore:
         block.outer_recompute = _local.recompute
         runner, timed, depth = self._runner, False, None
         if runner is not None:  # NOTE [ Planned saves ]
-            timed = runner.will_profile
+            timed = runner.will_time
             policy = everything if timed or runner.rebuilds else None
             depth = MAX_PLANNED_DEPTH
         if policy is not None and _tracing():

@@ -224,6 +224,15 @@ class PlanRunner:
         return step.profiling if step is not None else self.plan is None
 
     @property
+    def will_time(self) -> bool:
+        """Whether the step under way, or the next, is a profile whose op times are kept.
+
+        The store's first step only warms up: what it would time is thrown
+        away, so it times nothing (NOTE [ Planned steps ]).
+        """
+        return self._warmed and self.will_profile
+
+    @property
     def rebuilds(self) -> bool:
         """Whether the plan the next step starts on rebuilds anything (the recorder must run).
 

@@ -1,0 +1,222 @@
+"""A GPT training step on one GPU under each row, each row in a fresh process.
+
+    python3 benchmarks/gpu_step.py --rows none,kept,budget=1.0 --json OUT.json
+
+The step: 12 blocks, d_model 2048, 16 heads, seq 2048, batch 4, vocab 16384,
+bf16 weights, F.scaled_dot_product_attention, AdamW-free (grads only). Per
+row: ``--warmup`` steps, then ``--steps`` measured; each step ends on a
+device synchronisation. Memory per step is ``max_memory_allocated`` and
+``max_memory_reserved`` above what was allocated / reserved before the first
+step, over every step, warm-up included (what nvidia-smi shows is reserved).
+After the timed steps each tierstore row runs one more step with SDPA's math
+kernel (flash's backward is not deterministic) and compares its gradients
+bitwise with a step without offload in the same process.
+
+Rows: ``none``; ``kept`` (``device_budget="64GiB"``: every save stays, only
+the hooks run); ``budget=F`` (``activation_budget=F``); ``checkpoint-N``
+(``torch.utils.checkpoint`` on the first N blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import tierstore
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, d: int, heads: int, layers: int, seq: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.checkpointed = 0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok(tokens) + self.pos(pos)
+        for i, block in enumerate(self.blocks):
+            if i < self.checkpointed:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.head(self.ln(x)).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), tokens.view(-1))
+
+
+def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.d, args.heads, args.layers, args.seq).to(dev, torch.bfloat16)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev)
+    store = None
+    if name == "kept":
+        store = tierstore.TierStore(tierstore.TierConfig(device_budget="64GiB"))
+    elif name.startswith("budget="):
+        store = tierstore.TierStore(
+            tierstore.TierConfig(activation_budget=float(name.removeprefix("budget=")))
+        )
+    elif name.startswith("checkpoint-"):
+        model.checkpointed = int(name.removeprefix("checkpoint-"))
+
+    def step() -> None:
+        if store is None:
+            loss = model(tokens)
+        else:
+            with store.offload():
+                loss = model(tokens)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    torch.cuda.synchronize()
+    base_alloc = torch.cuda.memory_allocated()
+    base_reserved = torch.cuda.memory_reserved()
+    steps, alloc, reserved = [], [], []
+    for _ in range(args.warmup + args.steps):
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        steps.append(time.perf_counter() - start)
+        alloc.append(torch.cuda.max_memory_allocated() - base_alloc)
+        reserved.append(torch.cuda.max_memory_reserved() - base_reserved)
+    timed = steps[args.warmup :]
+    out: dict[str, Any] = {
+        "row": name,
+        "steps_s": steps,
+        "median_s": statistics.median(timed),
+        "mean_s": statistics.fmean(timed),
+        "max_over_median": max(timed) / statistics.median(timed),
+        "allocated_bytes": alloc,
+        "reserved_bytes": reserved,
+        "peak_allocated_bytes": max(alloc),
+        "peak_reserved_bytes": max(reserved),
+    }
+    if store is not None:
+        plan = store.plan()
+        if plan is not None:
+            out["plan"] = {
+                "predicted_step_s": plan.predicted_step_s,
+                "measured_step_s": plan.measured_step_s,
+                "predicted_peak_bytes": plan.predicted_peak_bytes,
+                "measured_peak_bytes": plan.measured_peak_bytes,
+                "bytes_by_choice": plan.bytes_by_choice(),
+                "steps": plan.steps,
+            }
+        s = store.stats()
+        out["stats"] = {"kept": s.kept, "packed": s.packed, "recomputed": s.recomputed}
+        with sdpa_kernel(SDPBackend.MATH):
+            model(tokens).backward()
+            ref = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            with store.offload():
+                loss = model(tokens)
+            loss.backward()
+            got = [p.grad for p in model.parameters()]
+        out["grads_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+        store.close()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="none,kept,budget=1.0")
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--d", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--json", default=None)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one is not None:
+        print(json.dumps(_row(args.one, args)))
+        return 0
+    rows = []
+    for name in args.rows.split(","):
+        cmd = [sys.executable, __file__, "--one", name, *sys.argv[1:]]
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, env=os.environ.copy(), check=False
+        )
+        if done.returncode != 0:
+            print(f"{name}: failed\n{done.stderr[-3000:]}", flush=True)
+            continue
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+        rows.append(row)
+    base = next((r for r in rows if r["row"] == "none"), None)
+    gib = 1 << 30
+    for r in rows:
+        rel = f"{r['median_s'] / base['median_s']:.3f}x" if base else ""
+        mem = (
+            f"alloc {r['peak_allocated_bytes'] / gib:.2f} GiB "
+            f"({r['peak_allocated_bytes'] / base['peak_allocated_bytes']:.2f}x), reserved "
+            f"{r['peak_reserved_bytes'] / gib:.2f} GiB "
+            f"({r['peak_reserved_bytes'] / base['peak_reserved_bytes']:.2f}x)"
+            if base
+            else ""
+        )
+        extra = ""
+        if "plan" in r:
+            pl = r["plan"]
+            extra = f"; plan predicted {pl['predicted_step_s'] * 1e3:.1f} ms"
+        if "grads_bitwise_equal" in r:
+            extra += f"; grads bitwise {r['grads_bitwise_equal']}"
+        print(
+            f"{r['row']:<14} median {r['median_s'] * 1e3:7.1f} ms {rel:>8}  mean/med "
+            f"{r['mean_s'] / r['median_s']:.2f} max/med {r['max_over_median']:.2f}  {mem}{extra}",
+            flush=True,
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "argv": sys.argv,
+                    "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(),
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
