@@ -11,7 +11,12 @@ bytes in all, and carves entries out of them with an
 :class:`~tierstore.backends._extents.ExtentAllocator` per chunk (a stack:
 backward frees newest first). Chunks are kept until :meth:`HostPool.close`,
 so from the second step on no pinning happens at all. When no chunk has room
-and the pool may not grow, :meth:`HostPool.take` returns ``None`` (counted in
+and the pool may not grow, the chunks with no block out are dropped and the
+pool grows again: chunks grown for one step's sizes (a first step that sent
+every save off the device in pieces of one size) must not turn away a later
+step's larger block while most of their bytes are free (seen on an H200: no
+room for a 1 GiB block with 1.2 GiB of 8.2 GiB in use). Only when that
+leaves no room either does :meth:`HostPool.take` return ``None`` (counted in
 ``allocations_outside``). A copy off the device then is refused with an
 error that names ``host_budget`` (``Transfers.host_block``): memory pinned
 outside the pool would count against no budget, and the caching host
@@ -256,7 +261,7 @@ class HostPool:
         self._capacity = -(-capacity // BLOCK_ALIGN) * BLOCK_ALIGN
         self._step = max(BLOCK_ALIGN, -(-step // BLOCK_ALIGN) * BLOCK_ALIGN)
         self._pin = pin
-        self._chunks: list[_Chunk] = []
+        self._chunks: list[_Chunk | None] = []  # None: a dropped chunk's place
         self._used = 0
         self._outside = 0
         self._lock = threading.Lock()
@@ -276,7 +281,7 @@ class HostPool:
     @property
     def reserved_bytes(self) -> int:
         """Bytes allocated in chunks (held until :meth:`close`)."""
-        return sum(c.memory.numel() for c in self._chunks)
+        return sum(c.memory.numel() for c in self._chunks if c is not None)
 
     @property
     def used_bytes(self) -> int:
@@ -302,19 +307,28 @@ class HostPool:
                 raise StoreClosedError("tierstore: the host pool is closed")
             self._put_back()
             for i, chunk in enumerate(self._chunks):
-                offset = chunk.alloc.allocate(length)
+                offset = chunk.alloc.allocate(length) if chunk is not None else None
                 if offset is not None:
                     return self._block(i, offset, length, nbytes)
             room = self._capacity - self.reserved_bytes
+            if length > room:  # NOTE [ Host pool ]: drop the idle chunks, then grow
+                self._chunks = [c if c is not None and c.used else None for c in self._chunks]
+                room = self._capacity - self.reserved_bytes
             if length > room:
                 self._outside += 1
                 return None
             size = max(min(self._step, room), length)
             # Pinning takes long (NOTE [ Host pool ]), but only while the pool grows.
-            self._chunks.append(self._chunk(size))
-            offset = self._chunks[-1].alloc.allocate(length)
+            chunk = self._chunk(size)
+            if None in self._chunks:
+                i = self._chunks.index(None)
+                self._chunks[i] = chunk
+            else:
+                i = len(self._chunks)
+                self._chunks.append(chunk)
+            offset = chunk.alloc.allocate(length)
             assert offset == 0
-            return self._block(len(self._chunks) - 1, offset, length, nbytes)
+            return self._block(i, offset, length, nbytes)
 
     def _chunk(self, size: int) -> _Chunk:
         if self._pin:
@@ -327,11 +341,12 @@ class HostPool:
                 )
         return _Chunk(size, pin=False)
 
-    def _block(self, chunk: int, offset: int, length: int, nbytes: int) -> HostBlock:
+    def _block(self, i: int, offset: int, length: int, nbytes: int) -> HostBlock:
+        chunk = self._chunks[i]
+        assert chunk is not None
         self._used += length
-        self._chunks[chunk].used += length
-        view = self._chunks[chunk].memory[offset : offset + nbytes]
-        return HostBlock(chunk, offset, length, view)
+        chunk.used += length
+        return HostBlock(i, offset, length, chunk.memory[offset : offset + nbytes])
 
     def lease(self, nbytes: int) -> torch.Tensor | None:
         """``nbytes`` of uint8 whose block comes back when the tensor's storage is freed.
@@ -383,6 +398,7 @@ class HostPool:
         if self._closed:
             return
         chunk = self._chunks[block.chunk]
+        assert chunk is not None  # a chunk with a block out is never dropped
         chunk.alloc.free(block.offset, block.length)
         chunk.used -= block.length
         self._used -= block.length
@@ -409,7 +425,7 @@ class HostPool:
             if self._closed:
                 return 0
             self._put_back()
-            return sum(c.memory.numel() for c in self._chunks if c.trim())
+            return sum(c.memory.numel() for c in self._chunks if c is not None and c.trim())
 
     def close(self) -> None:
         """Drop every chunk (blocks handed out keep their memory alive). Idempotent."""

@@ -86,6 +86,31 @@ def test_release_free_heap_hands_back_free_pages_between_live_ones() -> None:
         rss.close()
 
 
+def test_idle_chunks_make_way_for_a_block_no_chunk_can_hold() -> None:
+    # NOTE [ Host pool ]: a first step's chunks, all free again, must not turn
+    # away a later step's larger block; chunks with a block out stay put.
+    step = 4 * BLOCK_ALIGN
+    pool = HostPool(capacity=12 * BLOCK_ALIGN, step=step, pin=False)
+    first = [pool.take(step) for _ in range(3)]
+    assert all(b is not None for b in first) and pool.reserved_bytes == 12 * BLOCK_ALIGN
+    kept = first[1]
+    assert kept is not None
+    kept.tensor.fill_(7)
+    for b in (first[0], first[2]):
+        assert b is not None
+        pool.give(b)
+    big = pool.take(8 * BLOCK_ALIGN)  # no chunk holds it, and the pool is at capacity
+    assert big is not None and big.chunk == 0  # the first dropped chunk's place
+    assert pool.reserved_bytes == 12 * BLOCK_ALIGN and pool.allocations_outside == 0
+    assert int(kept.tensor.sum()) == 7 * step  # the busy chunk was left alone
+    assert pool.take(8 * BLOCK_ALIGN) is None  # busy chunks are never dropped
+    assert pool.allocations_outside == 1
+    pool.give(big)
+    pool.give(kept)
+    assert pool.used_bytes == 0
+    pool.close()
+
+
 def test_a_block_larger_than_a_step_gets_its_own_chunk() -> None:
     pool = HostPool(capacity=1 << 20, step=BLOCK_ALIGN, pin=False)
     big = pool.take(3 * BLOCK_ALIGN - 5)
