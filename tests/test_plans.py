@@ -688,3 +688,68 @@ def test_a_first_planned_step_far_off_is_corrected_at_once_then_checked_again() 
     assert runner._refit(0.5) is None  # median 0.5: as predicted
     assert runner._refit(0.9) is None  # one step of the next three
     assert runner.plan.predicted_step_s == pytest.approx(0.5)
+
+
+class _FakeEvents:
+    """A device timer whose marks are device seconds the test sets (NOTE [ Timing a profile ])."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.read = False
+
+    def mark(self) -> object:
+        return ("event", self.now)
+
+    def seconds(self, mark: object) -> float:
+        assert isinstance(mark, tuple) and mark[0] == "event"
+        self.read = True
+        return float(mark[1])
+
+
+def test_a_profile_on_a_device_is_timed_by_its_marks_not_the_host_clock() -> None:
+    # NOTE [ Timing a profile ]: the host runs ahead of (or, with a sync per
+    # op, far behind) the device; the profile's times are the device's marks,
+    # and an op's event-timed cost is read only when the plan is made.
+    events = _FakeEvents()
+    runner = PlanRunner(
+        tierstore.TierConfig(activation_budget=0.5),
+        LinkClock(),
+        LinkClock(),
+        lambda: 0.0,
+        timer=lambda: events,
+        background=False,
+    )
+    costs_read: list[int] = []
+
+    def cost(i: int) -> Callable[[], float]:
+        def read() -> float:
+            costs_read.append(i)
+            return 0.001 * (i + 1)
+
+        return read
+
+    for _ in range(2):  # warm-up, then the profile
+        events.now = 0.0
+        for key in range(4):
+            events.now += 0.010  # 10 ms of device time per save...
+            runner.choose(1 << 20)
+            if runner.profiling:
+                runner.saved(
+                    key, nbytes=1 << 20, op="aten.mm", module=f"m{key}", rebuild_s=cost(key),
+                    input_keys=(),
+                )  # fmt: skip
+            time.sleep(0.02)  # ...and far more host time: the host is not the clock
+        for key in reversed(range(4)):
+            events.now += 0.020
+            runner.used(key)
+        assert not events.read and costs_read == []  # nothing read while the step runs
+        runner.step_ended(0)
+    plan = runner.plan
+    assert plan is not None and events.read
+    profile = plan.profile
+    assert profile.forward_s == pytest.approx(0.060)  # backward's first use, after 4 saves
+    assert [s.forward_s for s in profile.saves] == pytest.approx([0.01, 0.02, 0.03, 0.04])
+    assert [s.use_s for s in profile.saves] == pytest.approx([0.06, 0.04, 0.02, 0.0])
+    assert profile.backward_s == pytest.approx(0.060)
+    assert [s.rebuild_s for s in profile.saves] == pytest.approx([0.001, 0.002, 0.003, 0.004])
+    assert sorted(costs_read) == [0, 1, 2, 3]

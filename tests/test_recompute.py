@@ -24,7 +24,7 @@ import tierstore
 from tierstore import recompute
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.handle import Handle
-from tierstore.recompute import Recipe
+from tierstore.recompute import Recipe, Recorder, everything
 
 from .conftest import DISK_VARIANTS, FailingBackward, all_to_disk, assert_empty, buffers_in_use
 
@@ -827,3 +827,33 @@ def test_gpt_with_dropout_is_bitwise(host_store: tierstore.TierStore) -> None:
     loss.backward()
     _assert_bitwise(expected, [p.grad.clone() for p in model.parameters()])
     assert host_store.stats().recomputed > 0
+
+
+def test_an_event_timed_op_is_read_when_asked_not_when_recorded() -> None:
+    # NOTE [ Timing a profile ] in plans.py: on CUDA an op's cost is the two
+    # events around it, read (and waited for) only when the plan is made.
+    class Event:
+        def __init__(self, ms: float) -> None:
+            self.ms, self.waited = ms, False
+
+        def synchronize(self) -> None:
+            self.waited = True
+
+        def elapsed_time(self, end: Event) -> float:
+            assert end.waited
+            return end.ms - self.ms
+
+    recorder = Recorder(everything, lambda t: t.grad_fn is None)
+    x = torch.randn(8, requires_grad=True)
+    with recorder:
+        y = x.sin()
+    origins = [o for views in recorder._origins.values() for _, o, _ in views.values()]
+    ends = []
+    for i, origin in enumerate(origins):
+        origin.cost = (Event(0.0), Event(i + 1.0))
+        ends.append(origin.cost[1])
+    op, cost, _ = recorder.describe(y)
+    assert op == "aten.sin" and callable(cost)
+    assert not any(e.waited for e in ends)
+    assert cost() == pytest.approx(1e-3 * sum(i + 1 for i, o in enumerate(origins) if o.func is
+                                              torch.ops.aten.sin.default))  # fmt: skip

@@ -19,14 +19,15 @@ import statistics
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.pipeline import LinkClock
 from tierstore.planner import Choice, Plan, Profile, Save, make_plan, simulate
 
-__all__ = ["PlanRunner", "budget_bytes"]
+__all__ = ["HostTimer", "PlanRunner", "Timer", "budget_bytes"]
 
 # NOTE [ Planned steps ]
 # With activation_budget set, every step is one of two kinds:
@@ -101,6 +102,18 @@ __all__ = ["PlanRunner", "budget_bytes"]
 # result. Tests and the bench pass background=False to make plans where the
 # check runs.
 
+# NOTE [ Timing a profile ]
+# A profile's times are when each save was made and first used, and what
+# each op that could rebuild it took. On a CPU they are perf_counter seconds
+# with the store's own waits taken out (HostTimer). On a GPU the host runs
+# ahead of the device, and a synchronisation around each op to time it on
+# the host makes small ops several times slower than in a real step (a
+# profile of a 99 ms H200 step predicted 486 ms): there the marks are CUDA
+# events recorded on the current stream (Transfers.event_timer), and the
+# seconds between them are read once, when the profile becomes a plan. The
+# recorder times its ops the same way (Recorder, in recompute.py); a time
+# not yet known travels as a function that reads it.
+
 #: How far a prediction may be off before the plan is made again.
 REFIT_TOLERANCE = 0.10
 #: How far off a check acts on at once, without waiting for the next to agree.
@@ -118,16 +131,54 @@ def budget_bytes(budget: int | float, saved_bytes: int) -> int:
     return int(budget)
 
 
+class Timer(Protocol):
+    """Marks on a step's timeline, read as seconds since it began (NOTE [ Timing a profile ])."""
+
+    def mark(self) -> object:
+        """Now, on the step's timeline."""
+
+    def seconds(self, mark: object) -> float:
+        """Seconds from the step's start to ``mark``."""
+
+
+class HostTimer:
+    """perf_counter marks with the store's waits taken out (NOTE [ Timing a profile ]).
+
+    Example:
+        >>> from tierstore.plans import HostTimer
+        >>> timer = HostTimer(lambda: 0.0)
+        >>> timer.seconds(timer.mark()) >= 0
+        True
+    """
+
+    def __init__(self, waits: Callable[[], float]) -> None:
+        self._waits = waits
+        self._origin = time.perf_counter() - waits()
+
+    def mark(self) -> float:
+        """perf_counter less the waits so far."""
+        return time.perf_counter() - self._waits()
+
+    def seconds(self, mark: object) -> float:
+        """Compute seconds since the timer began."""
+        assert isinstance(mark, float)
+        return mark - self._origin
+
+
+#: A row's rebuild time: seconds, a function that reads them (event-timed), or None.
+RebuildTime = float | Callable[[], float] | None
+
+
 @dataclass
 class _Row:
     nbytes: int
     again: bool  # the same entry saved again: no new bytes
     op: str
     module: str
-    saved_at: float  # forward compute since the step's first save
-    rebuild_s: float | None
+    saved_at: object  # the Timer's mark when forward saved it
+    rebuild_s: RebuildTime
     inputs: tuple[int, ...]
-    used_at: float | None = None  # backward compute since backward's first use
+    used_at: object = None  # the Timer's mark when backward first used it
 
 
 @dataclass
@@ -142,8 +193,9 @@ class _Step:
     fixed_bytes: int = 0
     saved_bytes: int = 0  # new bytes saved so far, fixed ones included
     waits_at_start: float = 0.0
-    backward_at: float | None = None  # when backward first used a save, waits out
-    last_use: float = 0.0
+    backward_at: object = None  # the mark of backward's first use of a save
+    last_use: object = None  # the mark of backward's latest use
+    timer: Timer | None = None  # a profiled step's marks (NOTE [ Timing a profile ])
     deviated_at: int | None = None  # the save that left the plan, matching no kept one
     written: tuple[int, float] = (0, 0.0)
     read: tuple[int, float] = (0, 0.0)
@@ -178,9 +230,11 @@ class PlanRunner:
         io_cpu: object = None,
         *,
         background: bool = True,
+        timer: Callable[[], Timer | None] | None = None,
     ) -> None:
         assert config.activation_budget is not None
         self.background = background  # NOTE [ Planning off the training thread ]
+        self._event_timer = timer  # () -> a device's Timer, or None: the host's
         self._remaking: threading.Thread | None = None
         self._remade: tuple[tuple[int, ...], Plan, str] | None = None
         self._closed = False
@@ -316,6 +370,9 @@ class PlanRunner:
     def _begin(self) -> _Step:
         profiling = self.plan is None or self._unseen is not None
         step = _Step(time.perf_counter(), profiling, waits_at_start=self._now_waits())
+        if profiling:  # NOTE [ Timing a profile ]
+            device = self._event_timer() if self._event_timer is not None else None
+            step.timer = device if device is not None else HostTimer(self._now_waits)
         step.written = self._writes.snapshot()
         step.read = self._reads.snapshot()
         step.io_cpu = self._io_cpu() if callable(self._io_cpu) else 0.0
@@ -325,10 +382,6 @@ class PlanRunner:
     def _now_waits(self) -> float:
         waits: float = self._waits()  # type: ignore[operator]
         return waits
-
-    def _compute_now(self, step: _Step) -> float:
-        """Seconds since the step began, waits on the store taken out."""
-        return time.perf_counter() - step.started - (self._now_waits() - step.waits_at_start)
 
     def choose(self, nbytes: int) -> Choice | None:
         """What to do with the next save of the step; ``None``: the safe placement.
@@ -386,7 +439,7 @@ class PlanRunner:
         nbytes: int,
         op: str,
         module: str,
-        rebuild_s: float | None,
+        rebuild_s: RebuildTime,
         input_keys: tuple[int, ...],
         cuda: bool = False,
     ) -> None:
@@ -403,7 +456,8 @@ class PlanRunner:
         if not again:
             step.row_of_key[key] = len(step.rows)
             step.saved_bytes += nbytes
-        row = _Row(nbytes, again, op, module, self._compute_now(step), rebuild_s, inputs)
+        assert step.timer is not None
+        row = _Row(nbytes, again, op, module, step.timer.mark(), rebuild_s, inputs)
         step.rows.append(row)
 
     def used(self, key: int) -> None:
@@ -413,15 +467,16 @@ class PlanRunner:
             return
         if not step.profiling:
             if step.backward_at is None:
-                step.backward_at = 0.0  # no save after this one follows the plan
+                step.backward_at = True  # no save after this one follows the plan
             return
-        now = self._compute_now(step)
+        assert step.timer is not None
+        now = step.timer.mark()
         if step.backward_at is None:
             step.backward_at = now
         step.last_use = now
         row = step.row_of_key.get(key)
         if row is not None and step.rows[row].used_at is None:
-            step.rows[row].used_at = now - step.backward_at
+            step.rows[row].used_at = now
 
     def step_ended(self, peak_bytes: int) -> str | None:
         """The step under way ended; returns the INFO line of a plan made or remade."""
@@ -465,10 +520,11 @@ class PlanRunner:
 
     def _plan_from(self, step: _Step, total: float) -> str | None:
         rows = step.rows
-        if not rows or step.backward_at is None:
+        if not rows or step.backward_at is None or step.timer is None:
             return None
-        forward = step.backward_at
-        backward = max(step.last_use - step.backward_at, 1e-9)
+        seconds = step.timer.seconds  # NOTE [ Timing a profile ]: read once, here
+        forward = seconds(step.backward_at)
+        backward = max(seconds(step.last_use) - forward, 1e-9)
         self._expected = tuple(r.nbytes for r in rows)
         self._checks.pop(self._expected, None)  # a new profile: its plan is checked afresh
         self._unseen = None
@@ -477,9 +533,9 @@ class PlanRunner:
                 nbytes=0 if r.again else r.nbytes,
                 op=r.op,
                 module=r.module,
-                forward_s=r.saved_at,
-                use_s=(r.used_at if r.used_at is not None else backward),
-                rebuild_s=r.rebuild_s,
+                forward_s=seconds(r.saved_at),
+                use_s=(seconds(r.used_at) - forward if r.used_at is not None else backward),
+                rebuild_s=r.rebuild_s() if callable(r.rebuild_s) else r.rebuild_s,
                 inputs=r.inputs,
             )
             for r in rows

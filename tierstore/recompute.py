@@ -224,7 +224,7 @@ _Ref = tuple[str, Any, Any, int]
 class _Origin:
     """One recorded op: what made a tensor, with its tensor arguments resolved."""
 
-    __slots__ = ("__weakref__", "cost_s", "depth", "func", "leaves", "node", "outs", "spec")
+    __slots__ = ("__weakref__", "cost", "depth", "func", "leaves", "node", "outs", "spec")
 
     def __init__(self, func: Any, spec: Any, leaves: list[Any], depth: int, outs: _Layouts) -> None:
         self.func = func
@@ -233,15 +233,26 @@ class _Origin:
         self.depth = depth
         self.outs = outs  # the layouts of several outputs, for out= (else empty)
         self.node: weakref.ref[_Node] | None = None
-        self.cost_s = 0.0  # the op's own time, when the recorder times ops
+        # The op's own time when the recorder times ops: seconds, or the two
+        # CUDA events around it (NOTE [ Timing a profile ] in plans.py).
+        self.cost: float | tuple[Any, Any] = 0.0
 
-    def rebuild_cost(self) -> tuple[float, list[Any]]:
-        """Seconds a rebuild replays, and the packed objects it reads.
+    def seconds(self) -> float:
+        """The op's own time (waits for its events on CUDA)."""
+        cost = self.cost
+        if isinstance(cost, float):
+            return cost
+        start, end = cost
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1e3
 
-        The seconds are this op's and those of the never-saved ops under it
-        (NOTE [ Planned steps ] in plans.py).
+    def rebuild_cost(self) -> tuple[list[_Origin], list[Any]]:
+        """The ops a rebuild replays, and the packed objects it reads.
+
+        The ops are this one and the never-saved ones under it (NOTE
+        [ Planned steps ] in plans.py); their times are read later.
         """
-        cost = self.cost_s
+        ops = [self]
         packed: list[Any] = []
         for leaf in self.leaves:
             if type(leaf) is not tuple:
@@ -249,11 +260,11 @@ class _Origin:
             kind, ref, _, _ = leaf
             if kind == "origin":
                 below, inputs = ref.rebuild_cost()
-                cost += below
+                ops += below
                 packed += inputs
             elif kind == "packed" and (obj := ref()) is not None:
                 packed.append(obj)
-        return cost, packed
+        return ops, packed
 
     def node_for(self) -> _Node | None:
         """The shared rebuild node of this op, or ``None`` if an input is gone."""
@@ -627,16 +638,21 @@ class Recorder(TorchDispatchMode):
     def _timed_call(self, func: Any, args: Any, kwargs: Any) -> Any:
         """A profiled step (NOTE [ Planned steps ] in plans.py): each op's time, for its rebuild.
 
-        On CUDA the op is timed between two synchronizations: this step only.
+        On CUDA, two events around the op on the current stream, read when
+        the profile becomes a plan (NOTE [ Timing a profile ] in plans.py):
+        no synchronisation, which would make the op look slower than it is.
         """
-        cuda = torch.cuda.is_initialized()
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = func(*args, **kwargs)
-        if cuda:
-            torch.cuda.synchronize()
-        cost = time.perf_counter() - start
+        if torch.cuda.is_initialized():
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = func(*args, **kwargs)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            cost: float | tuple[Any, Any] = (start, end)
+        else:
+            began = time.perf_counter()
+            out = func(*args, **kwargs)
+            cost = time.perf_counter() - began
         if (
             torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
@@ -645,20 +661,27 @@ class Recorder(TorchDispatchMode):
         ):
             origin = self._record(func, args, kwargs, out)
             if origin is not None:
-                origin.cost_s = cost
+                origin.cost = cost
         return out
 
-    def describe(self, t: torch.Tensor) -> tuple[str, float | None, list[Any]]:
+    def describe(
+        self, t: torch.Tensor
+    ) -> tuple[str, float | Callable[[], float] | None, list[Any]]:
         """The op that made ``t``, what rebuilding it costs, and what the rebuild reads.
 
-        The seconds are ``None`` when ``t`` cannot be rebuilt.
+        The cost is ``None`` when ``t`` cannot be rebuilt; seconds, or on
+        CUDA a function that reads them once the step's events have run
+        (NOTE [ Timing a profile ] in plans.py).
         """
         made = self._origins.get(t.untyped_storage(), {}).get(_view_key(t))
         if made is None or made[0] != t._version:
             return "", None, []
         origin = made[1]
-        cost, packed = origin.rebuild_cost()
-        return f"aten.{origin.func._overloadpacket.__name__}", cost, packed
+        ops, packed = origin.rebuild_cost()
+        name = f"aten.{origin.func._overloadpacket.__name__}"
+        if all(isinstance(op.cost, float) for op in ops):
+            return name, sum(op.seconds() for op in ops), packed
+        return name, lambda: sum(op.seconds() for op in ops), packed
 
     def _record(self, func: Any, args: Any, kwargs: Any, out: Any) -> _Origin | None:
         flat, spec = _flatten(args, kwargs)

@@ -56,7 +56,7 @@ from tierstore.plans import PlanRunner
 from tierstore.readahead import ReadAhead
 from tierstore.schedule import Schedule
 from tierstore.stats import TIERS, PackTally, Placement, Stats, Tier, TierStats
-from tierstore.transfers import Transfers
+from tierstore.transfers import Transfers, event_timer
 from tierstore.writebehind import WriteBehind
 
 __all__ = ["TierManager", "resting_nbytes"]
@@ -248,6 +248,7 @@ class TierManager:
                 self._pipeline.read_clock,
                 lambda: self._writes.pack_wait_s + self._reads.unpack_wait_s,
                 self._pipeline.io_cpu_s,
+                timer=event_timer,  # NOTE [ Timing a profile ] in plans.py
             )
         self._resident_peak = 0
         self._parent: int | None = None  # NOTE [ Forked children ] in tierstore/forks.py

@@ -449,3 +449,43 @@ class Transfers:
         for pool in (pinned, buffers):
             if pool is not None:
                 pool.close()
+
+
+class EventTimer:
+    """CUDA events on the current stream, read once (NOTE [ Timing a profile ] in plans.py).
+
+    Example:
+        >>> import torch
+        >>> from tierstore.transfers import EventTimer
+        >>> if torch.cuda.is_available():
+        ...     timer = EventTimer()
+        ...     assert timer.seconds(timer.mark()) >= 0
+    """
+
+    def __init__(self) -> None:
+        self._start = self.mark()
+
+    @staticmethod
+    def mark() -> torch.cuda.Event:
+        """An event recorded now on the current stream."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark: object) -> float:
+        """Device seconds from the timer's start to ``mark`` (waits for ``mark``)."""
+        assert isinstance(mark, torch.cuda.Event)
+        mark.synchronize()
+        return float(self._start.elapsed_time(mark)) / 1e3
+
+
+def event_timer() -> EventTimer | None:
+    """A profile's timer on the device when CUDA is in use, else ``None`` (the host's).
+
+    Example:
+        >>> import torch
+        >>> from tierstore.transfers import event_timer
+        >>> (event_timer() is None) == (not torch.cuda.is_initialized())
+        True
+    """
+    return EventTimer() if torch.cuda.is_initialized() else None
