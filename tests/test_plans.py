@@ -27,7 +27,7 @@ from tierstore.hooks import _Kept
 from tierstore.pipeline import LinkClock
 from tierstore.planner import SYNCHRONOUS, Profile, Save, make_plan
 from tierstore.plans import PLANS_KEPT, PlanRunner
-from tierstore.recompute import Recipe
+from tierstore.recompute import Recipe, Recorder
 from tierstore.store import TierManager
 
 from .conftest import assert_empty
@@ -753,3 +753,72 @@ def test_a_profile_on_a_device_is_timed_by_its_marks_not_the_host_clock() -> Non
     assert profile.backward_s == pytest.approx(0.060)
     assert [s.rebuild_s for s in profile.saves] == pytest.approx([0.001, 0.002, 0.003, 0.004])
     assert sorted(costs_read) == [0, 1, 2, 3]
+
+
+def test_a_planned_step_records_only_inside_the_modules_it_rebuilds_in(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ Recording where a plan rebuilds ]: the recorder's dispatch mode
+    # runs inside the modules whose saves the plan rebuilds, not on every op.
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(64, 64), torch.nn.GELU()]
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(32, 64)
+    store = tierstore.TierStore(
+        tierstore.TierConfig(activation_budget=0.5, min_offload_bytes=0, disk_path=spill_root)
+    )
+    store._runner.background = False  # type: ignore[union-attr]
+
+    def grads(use: tierstore.TierStore | None) -> list[torch.Tensor]:
+        with store.offload() if use is not None else contextlib.nullcontext():
+            loss = model(x).square().mean()
+        loss.backward()
+        out = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        model.zero_grad(set_to_none=True)
+        return out
+
+    eager = grads(None)
+    for _ in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(grads(store), eager, strict=True))
+    plan = store.plan()
+    assert plan is not None and "rebuild" in plan.choices
+    calls: list[str] = []
+    original = Recorder.__torch_dispatch__
+
+    def counting(self: Recorder, func: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(func._overloadpacket.__name__)
+        return original(self, func, *args, **kwargs)
+
+    monkeypatch.setattr(Recorder, "__torch_dispatch__", counting)
+    seen = _spy_packs(store)
+    assert all(torch.equal(a, b) for a, b in zip(grads(store), eager, strict=True))
+    assert store.plan() is plan and not store._regions.whole
+    rebuilt_in = {s.module for s, c in zip(plan.profile.saves, plan.choices, strict=True)
+                  if c == "rebuild"}  # fmt: skip
+    assert rebuilt_in and len(rebuilt_in) < 12
+    assert calls and "gelu" not in calls  # GELU's inputs are what a Linear made
+    assert "mean" not in calls  # the loss, outside every module
+    assert [type(p) is Recipe for p in seen] == [c == "rebuild" for c in plan.choices]
+    regional = len(calls)
+    calls.clear()
+    store._regions.whole = True  # what a plan that rebuilds outside any module does
+    assert all(torch.equal(a, b) for a, b in zip(grads(store), eager, strict=True))
+    assert "gelu" in calls and "mean" in calls and regional < len(calls)
+    store.close()
+
+
+def _spy_packs(store: tierstore.TierStore) -> list[Any]:
+    """What the pack hook returns for saves the plan decides (not the fixed ones)."""
+    seen: list[Any] = []
+    original = store._pack
+
+    def spy(t: torch.Tensor) -> Any:
+        out = original(t)
+        if not (type(out) is _Kept and not out.planned):
+            seen.append(out)
+        return out
+
+    store._pack = spy  # type: ignore[method-assign]
+    return seen

@@ -852,7 +852,7 @@ def test_an_event_timed_op_is_read_when_asked_not_when_recorded() -> None:
     for i, origin in enumerate(origins):
         origin.cost = (Event(0.0), Event(i + 1.0))
         ends.append(origin.cost[1])
-    op, cost, _ = recorder.describe(y)
+    op, cost, _, _ = recorder.describe(y)
     assert op == "aten.sin" and callable(cost)
     assert not any(e.waited for e in ends)
     assert cost() == pytest.approx(1e-3 * sum(i + 1 for i, o in enumerate(origins) if o.func is

@@ -41,6 +41,7 @@ from tierstore.errors import ConfigError, TierstoreWarning, modified_in_place
 from tierstore.handle import Handle
 from tierstore.planner import Choice, Plan
 from tierstore.recompute import (
+    Policy,
     Recipe,
     RecomputeSetting,
     Recorder,
@@ -124,6 +125,10 @@ class _Local(threading.local):
     recorder: Recorder | None = None
     tracker: ModuleTracker | None = None
     active = 0
+    # NOTE [ Recording where a plan rebuilds ]: the open planned block's regions
+    # and the recorder they push.
+    regions: _Regions | None = None
+    region_recorder: Recorder | None = None
 
 
 _local = _Local()
@@ -428,14 +433,108 @@ def _checked(config: object, where: str) -> TierConfig | None:
 class _Block:
     """One entered offload block: its hooks, its first tally (or ``None``), its recompute state."""
 
-    __slots__ = ("before", "hooks", "outer_recompute", "pushed", "tracker")
+    __slots__ = ("before", "hooks", "outer_recompute", "outer_regions", "pushed", "tracker")
 
     def __init__(self, hooks: saved_tensors_hooks, before: PackTally | None) -> None:
         self.hooks = hooks
         self.before = before
         self.pushed: Recorder | None = None
         self.outer_recompute = False
+        # NOTE [ Recording where a plan rebuilds ]: what the block's regions replaced.
+        self.outer_regions: tuple[_Regions | None, Recorder | None] | None = None
         self.tracker: ModuleTracker | None = None
+
+
+# NOTE [ Recording where a plan rebuilds ]
+# A recipe needs the op that made its tensor, recorded as forward ran, and
+# recording is a TorchDispatchMode: Python on every aten op, some 15 us each.
+# A plan rebuilds saves of a few modules, so a planned step records only
+# inside the modules whose forward ran the ops its rebuilds replay (the
+# profiled step notes, per op, the module that ran it): forward pre- and
+# post-hooks on those modules (module hooks, not global ones) push the
+# block's recorder as the module's forward begins and pop it as it ends.
+# What autograd packs is noted with that recorder everywhere in the block (a
+# dict entry, no dispatch), since a save is often packed by the module after
+# the one whose op made it. The modules are those the profiled step's module
+# tracker saw under those names. A plan that rebuilds what ran in no module
+# the tracker saw (an op outside every module, a module gone since) records
+# the whole block, as before; one that rebuilds nothing records nothing. A
+# save whose recipe cannot be made after all is offloaded instead, as any
+# save that turns out not rebuildable.
+
+
+class _Regions:
+    """Hooks on the modules a plan rebuilds in: the recorder runs inside them only."""
+
+    def __init__(self, policy: Policy, stays: Callable[[torch.Tensor], bool]) -> None:
+        self._policy = policy
+        self._stays = stays
+        self.plan: Plan | None = None
+        self._handles: list[Any] = []
+        self._pushed = threading.local()
+        self.whole = False  # the plan rebuilds where no hook can reach: record everything
+
+    def follow(self, plan: Plan, modules: dict[str, weakref.ref[torch.nn.Module]]) -> None:
+        """Hook the modules ``plan`` rebuilds in (once per plan)."""
+        if plan is self.plan:
+            return
+        self.remove()
+        self.plan = plan
+        names = {
+            module
+            for save, choice in zip(plan.profile.saves, plan.choices, strict=True)
+            if choice == "rebuild"
+            for module in (save.made_in or (save.module,))
+        }
+        found = [modules[n]() if n in modules else None for n in sorted(names)]
+        self.whole = any(m is None for m in found)
+        if self.whole:
+            return
+        for module in found:
+            assert module is not None
+            self._handles += [
+                module.register_forward_pre_hook(self._enter),
+                module.register_forward_hook(self._leave, always_call=True),
+            ]
+
+    def remove(self) -> None:
+        """Take the hooks off. Idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.plan = None
+
+    def _stack(self) -> list[tuple[Recorder | None, bool]]:
+        stack: list[tuple[Recorder | None, bool]] | None = getattr(self._pushed, "stack", None)
+        if stack is None:
+            stack = self._pushed.stack = []
+        return stack
+
+    def recorder(self) -> Recorder:
+        """A new recorder for a planned block: what it notes lasts the block, across regions."""
+        return Recorder(self._policy, self._stays, max_depth=MAX_PLANNED_DEPTH)
+
+    @_never_traced
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        recorder = _local.region_recorder
+        if _local.regions is not self or recorder is None or _tracing():
+            return  # this store's planned block is not open in this thread
+        pushed = None
+        if _local.recorder is None:  # not inside another region (nested modules)
+            recorder.__enter__()  # type: ignore[no-untyped-call]
+            _local.recorder = pushed = recorder
+        self._stack().append((pushed, _local.recompute))
+        _local.recompute = True
+
+    @_never_traced
+    def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        stack = self._stack()
+        if _local.regions is not self or not stack:
+            return
+        pushed, _local.recompute = stack.pop()
+        if pushed is not None:
+            _local.recorder = None
+            pushed.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
 
 # NOTE [ Planned saves ]
@@ -486,13 +585,19 @@ def _tracing() -> bool:
 
 
 def _recorder() -> Recorder | None:
-    """The thread's recorder, when the innermost offload() block asks for recompute."""
-    if not _local.recompute:
+    """The thread's recorder, when the innermost offload() block asks for recompute.
+
+    In a planned block that records in regions, their recorder also outside
+    them: a save is often packed by the module after the one that made it
+    (NOTE [ Recording where a plan rebuilds ]).
+    """
+    recorder = _local.recorder if _local.recompute else _local.region_recorder
+    if recorder is None:
         return None
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
     if ca is not None and (ca.compiled_autograd_enabled or ca.in_compiled_autograd_region):
         return None
-    return _local.recorder
+    return recorder
 
 
 class TierStore:
@@ -535,6 +640,9 @@ class TierStore:
         self._step_unpacks = 0
         self._steps = 0
         self._logged: Stats | None = None
+        # NOTE [ Recording where a plan rebuilds ]: the profiled step's modules by name.
+        self._modules: dict[str, weakref.ref[torch.nn.Module]] = {}
+        self._regions = _Regions(everything, self._stays)
 
     @contextlib.contextmanager
     def offload(self, recompute: RecomputeSetting | None = None) -> Iterator[TierStore]:
@@ -600,13 +708,23 @@ class TierStore:
             timed = runner.will_time
             policy = everything if timed or runner.rebuilds else None
             depth = MAX_PLANNED_DEPTH
+            plan = runner.plan
+            if not timed and plan is not None and policy is not None:
+                # NOTE [ Recording where a plan rebuilds ]
+                self._regions.follow(plan, self._modules)
+                if not self._regions.whole:
+                    policy = None
+                    block.outer_regions = (_local.regions, _local.region_recorder)
+                    _local.regions = self._regions
+                    _local.region_recorder = self._regions.recorder()
         if policy is not None and _tracing():
             policy = None  # make_fx, FakeTensorMode: tracing keeps today's path
         if timed and policy is not None and _local.tracker is None:
             block.tracker = _local.tracker = ModuleTracker()
             block.tracker.__enter__()
         if policy is not None and _local.recorder is None:
-            recorder = Recorder(policy, self._stays, timed=timed, max_depth=depth or 8)
+            where = (lambda: _module_name(_local.tracker)) if block.tracker is not None else None
+            recorder = Recorder(policy, self._stays, timed=timed, max_depth=depth or 8, where=where)
             try:
                 recorder.__enter__()  # type: ignore[no-untyped-call]
             except BaseException:
@@ -623,9 +741,14 @@ class TierStore:
     def _close_block(self, block: _Block, ok: bool, where: str) -> None:
         """Pop the hooks; warn if nothing left the device (NOTE [ Is it working? ])."""
         try:
+            if block.outer_regions is not None:
+                _local.regions, _local.region_recorder = block.outer_regions
             if block.tracker is not None:
                 _local.tracker = None
                 block.tracker.__exit__()
+                # The modules the profile named (NOTE [ Recording where a plan rebuilds ]).
+                known = getattr(block.tracker, "_known_modules", {})
+                self._modules = {name: weakref.ref(m) for m, name in list(known.items())}
             if block.pushed is not None:
                 _local.recorder = None
                 block.pushed.__exit__(None, None, None)  # type: ignore[no-untyped-call]
@@ -793,6 +916,7 @@ class TierStore:
             if self._unpacks != self._step_unpacks and not self._manager.closed:
                 self._step_ended()  # the last step's line (NOTE [ Step log ])
         finally:
+            self._regions.remove()
             self._manager.close()
 
     def __enter__(self) -> TierStore:
@@ -867,7 +991,7 @@ class TierStore:
     @staticmethod
     def _recorded(t: torch.Tensor) -> _Noted:
         """What the recorder must note of a kept ``t``, when one runs (NOTE [ Recompute ])."""
-        return _local.recorder if _local.recompute else None
+        return _local.recorder if _local.recompute else _local.region_recorder
 
     def _pack_planned(self, t: torch.Tensor, nbytes: int) -> Handle | _Kept | Recipe:
         """NOTE [ Planned saves ]."""
@@ -890,7 +1014,9 @@ class TierStore:
         if recorder is not None:
             recorder.note_packed(t, handle, self._manager.get)
         if runner.profiling:
-            op, cost, inputs = recorder.describe(t) if recorder is not None else ("", None, [])
+            op, cost, inputs, made_in = (
+                recorder.describe(t) if recorder is not None else ("", None, [], ())
+            )
             runner.saved(
                 handle.key,
                 nbytes=nbytes,
@@ -899,6 +1025,7 @@ class TierStore:
                 rebuild_s=cost,
                 input_keys=tuple(p.key for p in inputs if type(p) is Handle),
                 cuda=t.is_cuda,
+                made_in=made_in,
             )
         return handle
 

@@ -103,6 +103,8 @@ class Save:
             cannot be rebuilt (a random op, an input that is not stored).
         inputs: the saves (indices) a rebuild reads; rebuilt ones are rebuilt
             first and live until their own use.
+        made_in: the modules whose forward ran the ops a rebuild replays
+            (where the store records them; empty: ``module``).
     """
 
     nbytes: int
@@ -112,6 +114,7 @@ class Save:
     use_s: float
     rebuild_s: float | None = None
     inputs: tuple[int, ...] = ()
+    made_in: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

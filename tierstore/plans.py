@@ -179,6 +179,7 @@ class _Row:
     rebuild_s: RebuildTime
     inputs: tuple[int, ...]
     used_at: object = None  # the Timer's mark when backward first used it
+    made_in: tuple[str, ...] = ()  # the modules that ran a rebuild's ops
 
 
 @dataclass
@@ -442,6 +443,7 @@ class PlanRunner:
         rebuild_s: RebuildTime,
         input_keys: tuple[int, ...],
         cuda: bool = False,
+        made_in: tuple[str, ...] = (),
     ) -> None:
         """Write down a save of a profiled step (``key``: its entry's).
 
@@ -457,7 +459,7 @@ class PlanRunner:
             step.row_of_key[key] = len(step.rows)
             step.saved_bytes += nbytes
         assert step.timer is not None
-        row = _Row(nbytes, again, op, module, step.timer.mark(), rebuild_s, inputs)
+        row = _Row(nbytes, again, op, module, step.timer.mark(), rebuild_s, inputs, None, made_in)
         step.rows.append(row)
 
     def used(self, key: int) -> None:
@@ -537,6 +539,7 @@ class PlanRunner:
                 use_s=(seconds(r.used_at) - forward if r.used_at is not None else backward),
                 rebuild_s=r.rebuild_s() if callable(r.rebuild_s) else r.rebuild_s,
                 inputs=r.inputs,
+                made_in=r.made_in,
             )
             for r in rows
         )

@@ -224,7 +224,7 @@ _Ref = tuple[str, Any, Any, int]
 class _Origin:
     """One recorded op: what made a tensor, with its tensor arguments resolved."""
 
-    __slots__ = ("__weakref__", "cost", "depth", "func", "leaves", "node", "outs", "spec")
+    __slots__ = ("__weakref__", "cost", "depth", "func", "leaves", "module", "node", "outs", "spec")
 
     def __init__(self, func: Any, spec: Any, leaves: list[Any], depth: int, outs: _Layouts) -> None:
         self.func = func
@@ -236,6 +236,7 @@ class _Origin:
         # The op's own time when the recorder times ops: seconds, or the two
         # CUDA events around it (NOTE [ Timing a profile ] in plans.py).
         self.cost: float | tuple[Any, Any] = 0.0
+        self.module = ""  # where it ran, when the recorder is told (a profiled step)
 
     def seconds(self) -> float:
         """The op's own time (waits for its events on CUDA)."""
@@ -600,8 +601,10 @@ class Recorder(TorchDispatchMode):
         *,
         max_depth: int = MAX_DEPTH,
         timed: bool = False,
+        where: Callable[[], str] | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        self._where = where  # the module running now, for a profile (NOTE [ Planned steps ])
         self._policy = policy
         self._is_kept = is_kept
         self._max_depth = max_depth
@@ -662,26 +665,28 @@ class Recorder(TorchDispatchMode):
             origin = self._record(func, args, kwargs, out)
             if origin is not None:
                 origin.cost = cost
+                if self._where is not None:
+                    origin.module = self._where()
         return out
 
-    def describe(
-        self, t: torch.Tensor
-    ) -> tuple[str, float | Callable[[], float] | None, list[Any]]:
-        """The op that made ``t``, what rebuilding it costs, and what the rebuild reads.
+    def describe(self, t: torch.Tensor) -> Described:
+        """The op that made ``t``, what rebuilding it costs, what it reads, and where it ran.
 
         The cost is ``None`` when ``t`` cannot be rebuilt; seconds, or on
         CUDA a function that reads them once the step's events have run
-        (NOTE [ Timing a profile ] in plans.py).
+        (NOTE [ Timing a profile ] in plans.py). Where: the modules that ran
+        the ops a rebuild replays, when the recorder was told (``where``).
         """
         made = self._origins.get(t.untyped_storage(), {}).get(_view_key(t))
         if made is None or made[0] != t._version:
-            return "", None, []
+            return "", None, [], ()
         origin = made[1]
         ops, packed = origin.rebuild_cost()
         name = f"aten.{origin.func._overloadpacket.__name__}"
+        where = tuple(sorted({op.module for op in ops}))
         if all(isinstance(op.cost, float) for op in ops):
-            return name, sum(op.seconds() for op in ops), packed
-        return name, lambda: sum(op.seconds() for op in ops), packed
+            return name, sum(op.seconds() for op in ops), packed, where
+        return name, lambda: sum(op.seconds() for op in ops), packed, where
 
     def _record(self, func: Any, args: Any, kwargs: Any, out: Any) -> _Origin | None:
         flat, spec = _flatten(args, kwargs)
@@ -767,6 +772,8 @@ class Recorder(TorchDispatchMode):
 
 
 RecomputeSetting = Literal["off", "cheap"] | Policy
+#: What :meth:`Recorder.describe` tells of a tensor: op, cost, packed inputs, modules.
+Described = tuple[str, "float | Callable[[], float] | None", list[Any], tuple[str, ...]]
 
 
 def policy_of(setting: object) -> Policy | None:
