@@ -409,7 +409,7 @@ def _never_traced(fn: _HookT) -> _HookT:
     disabled = torch._compile._disable_dynamo(fn)
     callback = _frame_callback
     if callback is None:  # a torch without the query: always the wrapper
-        return disabled  # type: ignore[no-any-return]
+        return disabled  # type: ignore[return-value]
 
     @functools.wraps(fn)
     def hook(*args: Any) -> Any:
