@@ -105,7 +105,7 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
     torch.cuda.synchronize()
     base_alloc = torch.cuda.memory_allocated()
     base_reserved = torch.cuda.memory_reserved()
-    steps, alloc, reserved = [], [], []
+    steps, alloc, reserved, plans = [], [], [], []
     for _ in range(args.warmup + args.steps):
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
@@ -114,6 +114,9 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
         steps.append(time.perf_counter() - start)
         alloc.append(torch.cuda.max_memory_allocated() - base_alloc)
         reserved.append(torch.cuda.max_memory_reserved() - base_reserved)
+        plan = store.plan() if store is not None else None
+        if plan is not None:  # a step's measured time lands as the next one begins
+            plans.append([plan.steps, plan.predicted_step_s, plan.measured_step_s])
     timed = steps[args.warmup :]
     out: dict[str, Any] = {
         "row": name,
@@ -127,6 +130,7 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "peak_reserved_bytes": max(reserved),
     }
     if store is not None:
+        out["plan_history"] = plans  # [planned steps so far, predicted s, last measured s]
         plan = store.plan()
         if plan is not None:
             out["plan"] = {

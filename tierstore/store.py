@@ -571,14 +571,13 @@ class TierManager:
                     tally.counts[why] = (had_n + n, had_bytes + nbytes)
             return tally
 
-    @property
-    def _kept(self) -> int:
-        """Saves kept as they are, whatever the reason."""
-        return sum(n for n, _ in self._kept_by.values())
-
-    @property
-    def _kept_bytes(self) -> int:
-        return sum(b for _, b in self._kept_by.values())
+    def _kept_totals(self) -> tuple[int, int]:
+        """Saves kept as they are, whatever the reason, and their bytes."""
+        with self._counts:
+            return (
+                sum(n for n, _ in self._kept_by.values()),
+                sum(b for _, b in self._kept_by.values()),
+            )
 
     def _tally(self, entry: Entry, nbytes: int) -> None:
         """Count a save by where it landed: within device_budget, or below the device."""
@@ -614,6 +613,7 @@ class TierManager:
         buffers = self._transfers.buffers_if_open
         backend = self._pipeline.backend_if_open
         reads, writes = self._reads, self._writes
+        kept, kept_bytes = self._kept_totals()
         return Stats(
             tiers={
                 name: TierStats(
@@ -625,10 +625,10 @@ class TierManager:
                 )
                 for name, s in self._tiers.items()
             },
-            packed=self._packed + self._kept,
+            packed=self._packed + kept,
             deduplicated=self._deduplicated,
-            kept=self._kept,
-            kept_bytes=self._kept_bytes,
+            kept=kept,
+            kept_bytes=kept_bytes,
             recomputed=self._recomputed,
             recomputed_bytes=self._recomputed_bytes,
             restrided_views=self._restrided_views,

@@ -18,8 +18,8 @@ Example:
     >>> import argparse
     >>> from tierstore.bench.overhead import add_arguments
     >>> p = argparse.ArgumentParser(); add_arguments(p)
-    >>> p.parse_args(["--quick"]).rounds
-    2
+    >>> p.parse_args(["--quick"]).quick, p.parse_args([]).rounds
+    (True, 8)
 """
 
 from __future__ import annotations
