@@ -798,8 +798,11 @@ def test_a_planned_step_records_only_inside_the_modules_it_rebuilds_in(
     rebuilt_in = {s.module for s, c in zip(plan.profile.saves, plan.choices, strict=True)
                   if c == "rebuild"}  # fmt: skip
     assert rebuilt_in and len(rebuilt_in) < 12
-    assert calls and "gelu" not in calls  # GELU's inputs are what a Linear made
-    assert "mean" not in calls  # the loss, outside every module
+    rebuilt_ops = {s.op for s, c in zip(plan.profile.saves, plan.choices, strict=True)
+                   if c == "rebuild"}  # fmt: skip
+    assert calls and "mean" not in calls  # the loss, outside every module
+    if "aten.gelu" not in rebuilt_ops:  # only Linears' outputs rebuilt: no GELU recorded
+        assert "gelu" not in calls
     assert [type(p) is Recipe for p in seen] == [c == "rebuild" for c in plan.choices]
     regional = len(calls)
     calls.clear()

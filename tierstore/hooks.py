@@ -314,28 +314,26 @@ def keep_module(module: torch.nn.Module, tier: Tier = "device") -> _KeepModule:
     return _KeepModule(module, _checked_tier(tier, "tierstore.keep_module"))
 
 
-#: The recorder that notes a kept save, if one runs (NOTE [ Recompute in blocks ]).
-_Noted = Recorder | None
-
-
 class _Kept:
     """A saved tensor left on the device, with its version for the check at unpack.
 
     ``planned``: bytes a plan kept, counted in its peak until the first use
-    (NOTE [ Saves that stay ] in store.py); 0 otherwise. ``recorder``: the
-    thread's recorder, which notes it for recipes that read it.
+    (NOTE [ Saves that stay ] in store.py); 0 otherwise.
     """
 
     __slots__ = ("__weakref__", "planned", "tensor", "version")
 
-    def __init__(
-        self, tensor: torch.Tensor, version: int, planned: int = 0, recorder: _Noted = None
-    ) -> None:
+    def __init__(self, tensor: torch.Tensor, version: int, planned: int = 0) -> None:
         self.tensor = tensor
         self.version = version
         self.planned = planned
-        if recorder is not None:
-            recorder.note_packed(tensor, self, None)
+
+
+def _note(t: torch.Tensor, kept: _Kept) -> None:
+    """Tell the thread's recorder, if one runs, what autograd holds for ``t``."""
+    recorder = _local.recorder if _local.recompute else _local.region_recorder
+    if recorder is not None:
+        recorder.note_packed(t, kept, None)
 
 
 @functools.cache
@@ -393,31 +391,30 @@ def _unusual(t: torch.Tensor) -> Placement | None:
 # autograd calls the unpack hook from its graph. torch.compiler.disable's
 # wrapper costs microseconds a call (it swaps the frame callback out and
 # back), which is most of what a save that stays may cost (NOTE [ Saves
-# that stay ] in store.py). So a hook asks first whether any frame callback
-# is set, and takes the disabled wrapper only then: plain eager, where no
-# callback is set and nothing can trace it, calls the hook itself.
+# that stay ] in store.py). So each hook's code object is marked for Dynamo
+# to skip, itself and every frame it calls (the frame-evaluation hook reads
+# the mark in C, and only while a callback is set), and the function carries
+# the attribute by which Dynamo, tracing a graph that calls it, calls it
+# rather than inlining it: no wrapper, nothing to pay in eager. A torch
+# without those marks gets the disabled wrapper.
 
-_frame_callback = getattr(
-    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None
-)
+_eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
 
 _HookT = TypeVar("_HookT", bound=Callable[..., Any])
 
 
 def _never_traced(fn: _HookT) -> _HookT:
     """``fn`` as a hook Dynamo never traces, at no cost in eager (NOTE [ Hooks and Dynamo ])."""
-    disabled = torch._compile._disable_dynamo(fn)
-    callback = _frame_callback
-    if callback is None:  # a torch without the query: always the wrapper
-        return disabled  # type: ignore[return-value]
-
-    @functools.wraps(fn)
-    def hook(*args: Any) -> Any:
-        if callback() is None:
-            return fn(*args)
-        return disabled(*args)
-
-    return hook  # type: ignore[return-value]
+    mark = getattr(_eval_frame, "set_code_exec_strategy", None)
+    strategy = getattr(_eval_frame, "_FrameExecStrategy", None)
+    action = getattr(_eval_frame, "_FrameAction", None)
+    if mark is None or strategy is None or action is None:
+        return torch._compile._disable_dynamo(fn)  # type: ignore[return-value]
+    mark(fn.__code__, strategy(action.SKIP, action.SKIP))
+    # What Dynamo reads when it meets the hook while tracing a graph (compiled
+    # autograd's backward): call it as it is, never inline it.
+    fn._torchdynamo_disable = True  # type: ignore[attr-defined]
+    return fn
 
 
 def _checked(config: object, where: str) -> TierConfig | None:
@@ -946,7 +943,10 @@ class TierStore:
             if type(nbytes) is int:
                 if self._runner is None:
                     if self._manager.stays(nbytes):
-                        return _Kept(t.detach(), t._version, 0, self._recorded(t))
+                        kept = _Kept(t.detach(), t._version)
+                        if _local.region_recorder is not None or _local.recompute:
+                            _note(t, kept)
+                        return kept
                     nbytes = _unusual(t) or nbytes
                     if type(nbytes) is int:
                         return self._pack_stored(t, nbytes, None)
@@ -967,7 +967,9 @@ class TierStore:
         self._manager.count_kept(size, nbytes)  # type: ignore[arg-type]
         if self._runner is not None and nbytes in ("keep", "min_offload_bytes"):
             self._runner.kept_fixed(size)  # activations it keeps
-        return _Kept(t.detach(), t._version, 0, self._recorded(t))
+        kept = _Kept(t.detach(), t._version)
+        _note(t, kept)
+        return kept
 
     def _pack_stored(self, t: torch.Tensor, nbytes: int, tier: Tier | None) -> Handle | Recipe:
         """The full path: an entry in the tier manager, or a recipe (NOTE [ Recompute ])."""
@@ -988,11 +990,6 @@ class TierStore:
             recorder.note_packed(t, packed, None)
         return packed
 
-    @staticmethod
-    def _recorded(t: torch.Tensor) -> _Noted:
-        """What the recorder must note of a kept ``t``, when one runs (NOTE [ Recompute ])."""
-        return _local.recorder if _local.recompute else _local.region_recorder
-
     def _pack_planned(self, t: torch.Tensor, nbytes: int) -> Handle | _Kept | Recipe:
         """NOTE [ Planned saves ]."""
         runner = self._runner
@@ -1000,7 +997,9 @@ class TierStore:
         choice = runner.choose(nbytes)
         if choice == "keep":  # NOTE [ Saves that stay ] in store.py
             self._manager.kept_by_plan(nbytes)
-            return _Kept(t.detach(), t._version, nbytes, self._recorded(t))
+            kept = _Kept(t.detach(), t._version, nbytes)
+            _note(t, kept)
+            return kept
         recorder = _recorder()
         if choice == "rebuild":
             recipe = recorder.recipe_for(t, nbytes) if recorder is not None else None

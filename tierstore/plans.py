@@ -197,6 +197,7 @@ class _Step:
     backward_at: object = None  # the mark of backward's first use of a save
     last_use: object = None  # the mark of backward's latest use
     timer: Timer | None = None  # a profiled step's marks (NOTE [ Timing a profile ])
+    following: bool = False  # on its plan so far: choose() takes the short way
     deviated_at: int | None = None  # the save that left the plan, matching no kept one
     written: tuple[int, float] = (0, 0.0)
     read: tuple[int, float] = (0, 0.0)
@@ -391,7 +392,11 @@ class PlanRunner:
         """
         step = self._step if self._step is not None else self._begin()
         index = step.index
-        step.index += 1
+        step.index = index + 1
+        if step.following:  # the common case, first: a planned step on its plan
+            expected = self._expected
+            if index < len(expected) and expected[index] == nbytes and step.backward_at is None:
+                return self.plan.choices[index]  # type: ignore[union-attr]
         if step.profiling and index == 0 and self._unseen == "first" and self._switch(0, nbytes):
             step.profiling = False  # a kept shape after all: no profile needed
         if step.profiling or step.deviated_at is not None:
@@ -403,7 +408,9 @@ class PlanRunner:
             and not self._switch(index, nbytes)
         ):
             step.deviated_at = index
+            step.following = False
             return None
+        step.following = True
         return self.plan.choices[index]
 
     def _switch(self, index: int, nbytes: int) -> bool:

@@ -227,10 +227,12 @@ class TierManager:
         # budget or the plan, without an entry).
         self._kept_by: dict[Placement, list[int]] = {"device_budget": [0, 0]}
         self._kept_now = 0  # bytes a plan kept this step, not yet used by backward
+        self._kept_used = False  # backward used one of them this step (the peak is taken)
         self._fits = False  # this step's saves may stay by device_budget
         self._room = 0  # what the device tier had free of device_budget as the step began
         self._step_bytes = 0  # offloadable bytes saved this step (the hooks ask stays())
         self._stayed = 0  # of them, bytes that stayed by device_budget without an entry
+        self._unfolded = [0, 0]  # saves and bytes that stayed, not yet in _kept_by
         self._recomputed = 0
         self._recomputed_bytes = 0
         self._restrided_views = 0  # NOTE [ Spans ] in codec.py: views that come back dense
@@ -368,9 +370,12 @@ class TierManager:
         runner = self.plans
         assert runner is not None
         with self._locked():
-            line = runner.step_ended(self._resident_peak)
             with self._counts:
-                self._resident_peak = self._kept_now = 0
+                if not self._kept_used:  # no backward used what the plan kept
+                    self._resident_peak = max(self._resident_peak, self._kept_resident())
+                peak, self._resident_peak, self._kept_now = self._resident_peak, 0, 0
+                self._kept_used = False
+            line = runner.step_ended(peak)
             # A plan's window bounds both ways: the write queue is resident
             # too, and a queue grown past the plan's would break the budget.
             # The limits stay within the largest kept plan's window; each
@@ -482,18 +487,29 @@ class TierManager:
     def kept_by_plan(self, nbytes: int) -> None:
         """Count a save the plan keeps; resident until :meth:`kept_used`."""
         with self._counts:
-            counts = self._kept_by["device_budget"]
-            counts[0] += 1
-            counts[1] += nbytes
-            # Forward: nothing is read ahead yet, and the reads' count is theirs.
-            self._kept_now += nbytes
-            resident = self._kept_now + self._tiers["device"].bytes + self._writes.queued_bytes
-            self._resident_peak = max(self._resident_peak, resident)
+            unfolded = self._unfolded
+            unfolded[0] += 1
+            unfolded[1] += nbytes
+            self._kept_now += nbytes  # the peak is taken where these are let go
 
     def kept_used(self, nbytes: int) -> None:
-        """Backward first used a save the plan kept: no longer in the step's peak."""
+        """Backward first used a save the plan kept: no longer in the step's peak.
+
+        Forward only adds what a plan keeps: the first of these in a step
+        takes the peak with all of it resident (NOTE [ Saves that stay ]).
+        """
         with self._counts:
+            if not self._kept_used:
+                self._kept_used = True
+                self._resident_peak = max(self._resident_peak, self._kept_resident())
             self._kept_now -= nbytes
+
+    def _kept_resident(self) -> int:
+        """What the plan kept, the device tier and the write queue; under _counts.
+
+        Forward's figure: nothing is read ahead yet, and the reads' count is theirs.
+        """
+        return self._kept_now + self._tiers["device"].bytes + self._writes.queued_bytes
 
     def stays(self, nbytes: int) -> bool:
         """Whether a save of ``nbytes`` stays on the device by device_budget, counted if so.
@@ -506,12 +522,19 @@ class TierManager:
             self._step_bytes += nbytes
             if self._fits and self._step_bytes <= self._room:
                 self._stayed += nbytes
-                counts = self._kept_by["device_budget"]
-                counts[0] += 1
-                counts[1] += nbytes
+                unfolded = self._unfolded
+                unfolded[0] += 1
+                unfolded[1] += nbytes
                 return True
             self._fits = False  # the rest of the step takes the full path
         return False
+
+    def _fold_stayed(self) -> None:
+        """Count the saves that stayed by device_budget this step in ``_kept_by``; under _counts."""
+        counts, unfolded = self._kept_by["device_budget"], self._unfolded
+        counts[0] += unfolded[0]
+        counts[1] += unfolded[1]
+        unfolded[0] = unfolded[1] = 0
 
     def step_ended(self) -> None:
         """A backward ran and the next step begins (NOTE [ Saves that stay ])."""
@@ -564,6 +587,7 @@ class TierManager:
     def pack_tally(self) -> PackTally:
         """A snapshot of the saves by where they went (NOTE [ Is it working? ])."""
         with self._counts:
+            self._fold_stayed()
             tally = self.tally.copy()
             for why, (n, nbytes) in self._kept_by.items():
                 if n:
@@ -574,6 +598,7 @@ class TierManager:
     def _kept_totals(self) -> tuple[int, int]:
         """Saves kept as they are, whatever the reason, and their bytes."""
         with self._counts:
+            self._fold_stayed()
             return (
                 sum(n for n, _ in self._kept_by.values()),
                 sum(b for _, b in self._kept_by.values()),
