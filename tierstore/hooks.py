@@ -1036,6 +1036,11 @@ class TierStore:
             if type(packed) is _Kept and packed.planned:
                 self._manager.kept_used(packed.planned)
                 packed.planned = 0
+        if type(packed) is _Kept:  # the short way (NOTE [ Saves that stay ] in store.py)
+            t = packed.tensor
+            if t._version != packed.version:
+                raise modified_in_place(tuple(t.shape), t.dtype, t._version, packed.version)
+            return t
         return self._fetch(packed)
 
     def _fetch(self, packed: Handle | _Kept | Recipe) -> torch.Tensor:
