@@ -9,13 +9,13 @@ add up.
 
 from __future__ import annotations
 
-import threading
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from backend_helpers import run_in_threads
 
 import tierstore
 from tierstore.handle import Handle
@@ -193,21 +193,12 @@ def test_retain_graph_and_double_backward_on_kept_saves(spill_root: Path) -> Non
 def test_threads_share_a_store_and_the_counts_add_up(spill_root: Path) -> None:
     store = _kept_store(spill_root)
     models = [_model(seed) for seed in range(4)]
-    errors: list[BaseException] = []
     grads: dict[int, list[Any]] = {}
 
     def work(i: int) -> None:
-        try:
-            grads[i] = _grads(models[i], store, 6)
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
+        grads[i] = _grads(models[i], store, 6)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert run_in_threads(work, 4) == []
     for i in range(4):
         _same(grads[i], _grads(_model(i), None, 6))
     s = store.stats()

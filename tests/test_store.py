@@ -7,11 +7,11 @@ import os
 import stat
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
+from backend_helpers import run_in_threads
 
 import tierstore
 from tierstore.handle import Handle
@@ -172,23 +172,14 @@ def test_release_while_locked_is_deferred(spill_root: Path) -> None:
 
 def test_handles_from_threads(spill_root: Path) -> None:
     mgr = _manager(spill_root, device_budget=8192, host_budget=8192, disk_budget="8MiB")
-    errors: list[BaseException] = []
 
     def work(seed: int) -> None:
-        try:
-            for i in range(50):
-                t = torch.full((KIB4,), float(seed * 1000 + i))
-                h = mgr.put(t)
-                assert torch.equal(mgr.get(h), t)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        for i in range(50):
+            t = torch.full((KIB4,), float(seed * 1000 + i))
+            h = mgr.put(t)
+            assert torch.equal(mgr.get(h), t)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors
+    assert run_in_threads(work, 4) == []
     assert sum(s.entries for s in mgr.stats().tiers.values()) == 0
     mgr.close()
 

@@ -23,6 +23,33 @@ from tierstore.bench import overhead, recording, soak, storage, train
 
 __all__ = ["add_bench_parser", "summary"]
 
+#: Each ``tierstore bench`` command: the module that runs it, and its help line.
+_COMMANDS: dict[str, tuple[Any, str]] = {
+    "storage": (
+        storage,
+        "write/read GB/s and latency of the disk backends against raw I/O, "
+        "torch.save and safetensors",
+    ),
+    "train": (
+        train,
+        "GPT training steps under none, save_on_cpu, checkpoint, disk-naive and tierstore",
+    ),
+    "soak": (
+        soak,
+        "hundreds of GPT training steps with every activation on disk: file descriptors, "
+        "threads, RSS and spill size must stay flat",
+    ),
+    "recording": (
+        recording,
+        "what recompute's op recorder costs in forward: us per op, share of a step",
+    ),
+    "overhead": (
+        overhead,
+        "microseconds per saved tensor that tierstore's own Python costs, and the "
+        "slowest step against the median",
+    ),
+}
+
 # ``name`` (a literal) and :func:`name` (a cross-reference; ~ shows its last part).
 _MARKUP = re.compile(r"``(.+?)``|:[a-z]+:`(~?)(.+?)`")
 
@@ -73,43 +100,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
         description="Benchmarks that print ratios measured side by side in one run.",
     )
     sub = bench.add_subparsers(
-        dest="bench_command", required=True, metavar="{storage,train,soak,recording,overhead}"
+        dest="bench_command", required=True, metavar="{" + ",".join(_COMMANDS) + "}"
     )
-    p = sub.add_parser(
-        "storage",
-        help="write/read GB/s and latency of the disk backends against raw I/O, "
-        "torch.save and safetensors",
-        description=summary(storage.__doc__),
-    )
-    storage.add_arguments(p)
-    p.set_defaults(run=storage.run)
-    p = sub.add_parser(
-        "train",
-        help="GPT training steps under none, save_on_cpu, checkpoint, disk-naive and tierstore",
-        description=summary(train.__doc__),
-    )
-    train.add_arguments(p)
-    p.set_defaults(run=train.run)
-    p = sub.add_parser(
-        "soak",
-        help="hundreds of GPT training steps with every activation on disk: file descriptors, "
-        "threads, RSS and spill size must stay flat",
-        description=summary(soak.__doc__),
-    )
-    soak.add_arguments(p)
-    p.set_defaults(run=soak.run)
-    p = sub.add_parser(
-        "recording",
-        help="what recompute's op recorder costs in forward: us per op, share of a step",
-        description=summary(recording.__doc__),
-    )
-    recording.add_arguments(p)
-    p.set_defaults(run=recording.run)
-    p = sub.add_parser(
-        "overhead",
-        help="microseconds per saved tensor that tierstore's own Python costs, and the "
-        "slowest step against the median",
-        description=summary(overhead.__doc__),
-    )
-    overhead.add_arguments(p)
-    p.set_defaults(run=overhead.run)
+    for name, (module, help_) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=summary(module.__doc__))
+        module.add_arguments(p)
+        p.set_defaults(run=module.run)
