@@ -1036,22 +1036,17 @@ class TierStore:
             if type(packed) is _Kept and packed.planned:
                 self._manager.kept_used(packed.planned)
                 packed.planned = 0
-        if type(packed) is _Kept:  # the short way (NOTE [ Saves that stay ] in store.py)
+        if isinstance(packed, _Kept):  # the short way (NOTE [ Saves that stay ] in store.py)
             t = packed.tensor
             if t._version != packed.version:
                 raise modified_in_place(tuple(t.shape), t.dtype, t._version, packed.version)
             return t
         return self._fetch(packed)
 
-    def _fetch(self, packed: Handle | _Kept | Recipe) -> torch.Tensor:
-        """The tensor a packed object stands for (also a recipe's input)."""
+    def _fetch(self, packed: Handle | Recipe) -> torch.Tensor:
+        """The tensor a stored or rebuilt save stands for (a kept one is unpack's short way)."""
         if type(packed) is Recipe:
             return packed.rebuild(self._manager.empty)
-        if type(packed) is _Kept:
-            t = packed.tensor
-            if t._version != packed.version:
-                raise modified_in_place(tuple(t.shape), t.dtype, t._version, packed.version)
-            return t
         assert isinstance(packed, Handle)
         # Read once for this unpack and the recipes that take it as an input.
         shared = shared_fetch(packed)

@@ -358,12 +358,7 @@ class TierManager:
 
     def _resident(self) -> int:
         """Saved bytes on the device: the device tier, in flight, and what the plan kept."""
-        return (
-            self._tiers["device"].bytes
-            + self._reads.outstanding_bytes()
-            + self._writes.queued_bytes
-            + self._kept_now
-        )
+        return self._kept_resident() + self._reads.outstanding_bytes()
 
     def plan_step_ended(self) -> tuple[str | None, str | None]:
         """The step ended: plan from its profile or measure the plan; (INFO line, warning)."""
