@@ -356,18 +356,22 @@ def _offload_nbytes(t: torch.Tensor, min_bytes: int) -> int | Placement:
     return _unusual(t) or nbytes
 
 
+# Looked up once: every save asks (NOTE [ Saves that stay ] in store.py).
+_TENSOR, _PARAMETER, _STRIDED = torch.Tensor, torch.nn.Parameter, torch.strided
+
+
 def _sized(t: torch.Tensor, min_bytes: int) -> int | Placement:
     """The checks every save pays: a parameter, a layout with no plain bytes, or its size.
 
     A save that stays by device_budget needs no more (NOTE [ Saves that stay ]
     in store.py): whatever :func:`_unusual` would say, it stays.
     """
-    if type(t) is not torch.Tensor:
-        return "parameter" if isinstance(t, torch.nn.Parameter) else "layout"
+    if type(t) is not _TENSOR:
+        return "parameter" if isinstance(t, _PARAMETER) else "layout"
     base = t._base  # early: nn.Linear saves weight.t() at every call
-    if base is not None and isinstance(base, torch.nn.Parameter):
+    if base is not None and isinstance(base, _PARAMETER):
         return "parameter"
-    if t.layout is not torch.strided or t.is_nested:
+    if t.layout is not _STRIDED or t.is_nested:
         return "layout"
     nbytes: int = t.nbytes if t.is_contiguous() else resting_nbytes(t)
     if nbytes < min_bytes:
@@ -941,7 +945,8 @@ class TierStore:
         if tier is None:
             nbytes = _sized(t, self._min_bytes)
             if type(nbytes) is int:
-                if self._runner is None:
+                runner = self._runner
+                if runner is None:
                     if self._manager.stays(nbytes):
                         kept = _Kept(t.detach(), t._version)
                         if _local.region_recorder is not None or _local.recompute:
@@ -953,7 +958,13 @@ class TierStore:
                 else:
                     nbytes = _unusual(t) or nbytes
                     if type(nbytes) is int:
-                        return self._pack_planned(t, nbytes)
+                        choice = runner.choose(nbytes)
+                        if choice == "keep":  # counted by the runner, not here
+                            kept = _Kept(t.detach(), t._version, nbytes)
+                            if _local.region_recorder is not None or _local.recompute:
+                                _note(t, kept)
+                            return kept
+                        return self._pack_planned(t, nbytes, choice)
         else:
             nbytes = "keep" if tier == "device" else _offload_nbytes(t, self._min_bytes)
             if type(nbytes) is int:
@@ -990,16 +1001,10 @@ class TierStore:
             recorder.note_packed(t, packed, None)
         return packed
 
-    def _pack_planned(self, t: torch.Tensor, nbytes: int) -> Handle | _Kept | Recipe:
-        """NOTE [ Planned saves ]."""
+    def _pack_planned(self, t: torch.Tensor, nbytes: int, choice: Choice | None) -> Handle | Recipe:
+        """NOTE [ Planned saves ]: one the plan does not keep (``None``: the safe placement)."""
         runner = self._runner
         assert runner is not None
-        choice = runner.choose(nbytes)
-        if choice == "keep":  # NOTE [ Saves that stay ] in store.py
-            self._manager.kept_by_plan(nbytes)
-            kept = _Kept(t.detach(), t._version, nbytes)
-            _note(t, kept)
-            return kept
         recorder = _recorder()
         if choice == "rebuild":
             recipe = recorder.recipe_for(t, nbytes) if recorder is not None else None
@@ -1031,11 +1036,14 @@ class TierStore:
     @_never_traced
     def _unpack(self, packed: Handle | _Kept | Recipe) -> torch.Tensor:
         self._unpacks += 1  # NOTE [ Step log ]; a lost update under threads only delays a line
-        if self._runner is not None:
-            self._runner.used(packed.key if type(packed) is Handle else -1)
-            if type(packed) is _Kept and packed.planned:
-                self._manager.kept_used(packed.planned)
-                packed.planned = 0
+        runner = self._runner
+        if runner is not None:
+            if type(packed) is _Kept:  # a plan-kept save leaves the peak at its first use
+                key, planned, packed.planned = -1, packed.planned, 0
+            else:
+                key, planned = packed.key if type(packed) is Handle else -1, 0
+            if runner.used(key, planned):
+                self._manager.backward_began()
         if isinstance(packed, _Kept):  # the short way (NOTE [ Saves that stay ] in store.py)
             t = packed.tensor
             if t._version != packed.version:

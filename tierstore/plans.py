@@ -203,6 +203,7 @@ class _Step:
     read: tuple[int, float] = (0, 0.0)
     io_cpu: float = 0.0  # the I/O threads' CPU seconds when the step began
     cuda: bool = False  # a save was a CUDA tensor
+    kept_used: int = 0  # bytes of plan-kept saves backward has used (NOTE [ Saves that stay ])
 
 
 class PlanRunner:
@@ -248,6 +249,8 @@ class PlanRunner:
         self._io_cpu = io_cpu  # () -> float: the I/O threads' CPU seconds
         self.plan: Plan | None = None
         self._expected: tuple[int, ...] = ()  # each save's bytes in the plan's profile
+        # The plan's kept saves before each save: (count, bytes) (NOTE [ Saves that stay ]).
+        self._kept_before: list[tuple[int, int]] = [(0, 0)]
         # NOTE [ Planned steps ]: the kept plans, by their saves' bytes, newest last
         self._plans: OrderedDict[tuple[int, ...], Plan] = OrderedDict()
         # A step left its plan and matched no kept one: "first" profiles the
@@ -427,6 +430,14 @@ class PlanRunner:
         return False
 
     def _use(self, expected: tuple[int, ...], plan: Plan) -> None:
+        if plan is not self.plan or expected != self._expected:
+            n = nbytes = 0
+            before = [(0, 0)]
+            for size, choice in zip(expected, plan.choices, strict=True):
+                if choice == "keep":
+                    n, nbytes = n + 1, nbytes + size
+                before.append((n, nbytes))
+            self._kept_before = before
         self.plan, self._expected = plan, expected
         self._plans[expected] = plan
         self._plans.move_to_end(expected)
@@ -469,15 +480,22 @@ class PlanRunner:
         row = _Row(nbytes, again, op, module, step.timer.mark(), rebuild_s, inputs, None, made_in)
         step.rows.append(row)
 
-    def used(self, key: int) -> None:
-        """Backward used the save of entry ``key`` (-1: a save that is no entry)."""
+    def used(self, key: int, planned: int = 0) -> bool:
+        """Backward used the save of entry ``key`` (-1: a save that is no entry).
+
+        ``planned``: the bytes of a save the plan kept, at its first use.
+        Returns whether this began a planned step's backward: the caller
+        takes the peak there, with all the plan kept resident.
+        """
         step = self._step
         if step is None:
-            return
+            return False
         if not step.profiling:
+            step.kept_used += planned
             if step.backward_at is None:
                 step.backward_at = True  # no save after this one follows the plan
-            return
+                return True
+            return False
         assert step.timer is not None
         now = step.timer.mark()
         if step.backward_at is None:
@@ -486,6 +504,25 @@ class PlanRunner:
         row = step.row_of_key.get(key)
         if row is not None and step.rows[row].used_at is None:
             step.rows[row].used_at = now
+        return False
+
+    def kept(self) -> tuple[int, int]:
+        """Saves the plan kept in the step under way, and their bytes.
+
+        Counted by where the step left its plan, not save by save: every
+        save before that took the plan's choice (NOTE [ Saves that stay ]
+        in store.py).
+        """
+        step = self._step
+        if step is None or step.profiling:
+            return 0, 0
+        upto = step.deviated_at if step.deviated_at is not None else step.index
+        return self._kept_before[min(upto, len(self._kept_before) - 1)]
+
+    def kept_resident(self) -> int:
+        """Bytes the plan kept in the step under way that backward has not used yet."""
+        step = self._step
+        return 0 if step is None else self.kept()[1] - step.kept_used
 
     def step_ended(self, peak_bytes: int) -> str | None:
         """The step under way ended; returns the INFO line of a plan made or remade."""

@@ -123,9 +123,12 @@ __all__ = ["TierManager", "resting_nbytes"]
 # On a GPU the step is often bound by the CPU that launches its kernels, so a
 # save that stays where autograd made it must cost next to nothing: the
 # filters' and keep()'s saves, those a plan keeps, and those device_budget
-# holds. Each costs a decision, a counter under a lock of its own (never the
-# manager's lock, which drains releases, settles copies and harvests writes)
-# and, at unpack, the version check on the kept alias. No entry, handle,
+# holds. Each costs a decision, a count and, at unpack, the version check on
+# the kept alias. device_budget's and the filters' counts are taken under a
+# lock of their own (never the manager's lock, which drains releases,
+# settles copies and harvests writes); a plan's are not taken save by save
+# at all: every save of a step before it left its plan took the plan's
+# choice, so the runner reads them off the plan (PlanRunner.kept). No entry, handle,
 # finalizer, dedupe key or schedule slot: autograd holds the tensor itself,
 # so it lives exactly as long as eager autograd would keep it, and nothing
 # needs releasing. What that skips is safe to skip:
@@ -140,8 +143,8 @@ __all__ = ["TierManager", "resting_nbytes"]
 #   * the version check: the kept alias is a detach(), which shares the
 #     version counter; unpack compares it, as eager autograd does.
 #   * the plan's measured peak: a save the plan keeps is resident from its
-#     save to its first use in backward (counted in at pack, out at that
-#     unpack), beside the device tier and the bytes in flight.
+#     save to its first use in backward, beside the device tier and the
+#     bytes in flight; the peak is taken as backward begins (backward_began).
 
 # NOTE [ Deferred release ]
 # A Handle's finalizer can run at any moment: in another thread, or in this
@@ -226,13 +229,13 @@ class TierManager:
         # Saves kept as they are, by why: [count, bytes] (device_budget: by the
         # budget or the plan, without an entry).
         self._kept_by: dict[Placement, list[int]] = {"device_budget": [0, 0]}
-        self._kept_now = 0  # bytes a plan kept this step, not yet used by backward
-        self._kept_used = False  # backward used one of them this step (the peak is taken)
-        self._fits = False  # this step's saves may stay by device_budget
-        self._room = 0  # what the device tier had free of device_budget as the step began
+        # What the device tier had free of device_budget as the step began; -1:
+        # this step's saves may not stay (its predecessor did not fit, or one
+        # of its own saves did not).
+        self._room = -1
         self._step_bytes = 0  # offloadable bytes saved this step (the hooks ask stays())
-        self._stayed = 0  # of them, bytes that stayed by device_budget without an entry
-        self._unfolded = [0, 0]  # saves and bytes that stayed, not yet in _kept_by
+        self._stayed_n = 0  # of them, saves that stayed by device_budget without an entry
+        self._stayed = 0  # and their bytes, once one did not: till then, all of _step_bytes
         self._recomputed = 0
         self._recomputed_bytes = 0
         self._restrided_views = 0  # NOTE [ Spans ] in codec.py: views that come back dense
@@ -317,8 +320,9 @@ class TierManager:
                 self._tally(entry, 0)
                 return self._handle(entry, t)
             entry = Entry(next(self._keys), t.detach(), size)
-            if self._stayed:  # NOTE [ Saves that stay ]: the device tier holds the rest
-                self._tiers["device"].budget = max(0, int(self.config.device_budget) - self._stayed)
+            stayed = self._stayed_now()[1]
+            if stayed:  # NOTE [ Saves that stay ]: the device tier holds the rest
+                self._tiers["device"].budget = max(0, int(self.config.device_budget) - stayed)
             if copies_over:  # NOTE [ Copies in flight ]
                 self._hold(entry, "device")
             else:
@@ -366,10 +370,13 @@ class TierManager:
         assert runner is not None
         with self._locked():
             with self._counts:
-                if not self._kept_used:  # no backward used what the plan kept
-                    self._resident_peak = max(self._resident_peak, self._kept_resident())
-                peak, self._resident_peak, self._kept_now = self._resident_peak, 0, 0
-                self._kept_used = False
+                # The peak where no backward ran; after one, less than it took.
+                peak = max(self._resident_peak, self._kept_resident())
+                self._resident_peak = 0
+                n, nbytes = runner.kept()  # the step's plan-kept saves, counted for good
+                counts = self._kept_by["device_budget"]
+                counts[0] += n
+                counts[1] += nbytes
             line = runner.step_ended(peak)
             # A plan's window bounds both ways: the write queue is resident
             # too, and a queue grown past the plan's would break the budget.
@@ -479,32 +486,22 @@ class TierManager:
             counts[0] += 1
             counts[1] += nbytes
 
-    def kept_by_plan(self, nbytes: int) -> None:
-        """Count a save the plan keeps; resident until :meth:`kept_used`."""
-        with self._counts:
-            unfolded = self._unfolded
-            unfolded[0] += 1
-            unfolded[1] += nbytes
-            self._kept_now += nbytes  # the peak is taken where these are let go
+    def backward_began(self) -> None:
+        """A planned step's backward used its first save: take the peak here.
 
-    def kept_used(self, nbytes: int) -> None:
-        """Backward first used a save the plan kept: no longer in the step's peak.
-
-        Forward only adds what a plan keeps: the first of these in a step
-        takes the peak with all of it resident (NOTE [ Saves that stay ]).
+        Forward only adds what the plan keeps, so this is where all of it is
+        resident (NOTE [ Saves that stay ]).
         """
         with self._counts:
-            if not self._kept_used:
-                self._kept_used = True
-                self._resident_peak = max(self._resident_peak, self._kept_resident())
-            self._kept_now -= nbytes
+            self._resident_peak = max(self._resident_peak, self._kept_resident())
 
     def _kept_resident(self) -> int:
         """What the plan kept, the device tier and the write queue; under _counts.
 
         Forward's figure: nothing is read ahead yet, and the reads' count is theirs.
         """
-        return self._kept_now + self._tiers["device"].bytes + self._writes.queued_bytes
+        kept = self.plans.kept_resident() if self.plans is not None else 0
+        return kept + self._tiers["device"].bytes + self._writes.queued_bytes
 
     def stays(self, nbytes: int) -> bool:
         """Whether a save of ``nbytes`` stays on the device by device_budget, counted if so.
@@ -513,34 +510,44 @@ class TierManager:
         only while this step's saves so far fit too; once one does not, the
         device tier holds the budget less what stayed.
         """
-        with self._counts:
-            self._step_bytes += nbytes
-            if self._fits and self._step_bytes <= self._room:
-                self._stayed += nbytes
-                unfolded = self._unfolded
-                unfolded[0] += 1
-                unfolded[1] += nbytes
+        counts = self._counts
+        counts.acquire()  # not `with`: half the cost, paid by every save that stays
+        try:
+            total = self._step_bytes = self._step_bytes + nbytes
+            if total <= self._room:
+                self._stayed_n += 1
                 return True
-            self._fits = False  # the rest of the step takes the full path
-        return False
+            if self._room >= 0:  # the first that does not fit: the rest take the full path
+                self._room = -1
+                self._stayed = total - nbytes
+            return False
+        finally:
+            counts.release()
 
-    def _fold_stayed(self) -> None:
-        """Count the saves that stayed by device_budget this step in ``_kept_by``; under _counts."""
-        counts, unfolded = self._kept_by["device_budget"], self._unfolded
-        counts[0] += unfolded[0]
-        counts[1] += unfolded[1]
-        unfolded[0] = unfolded[1] = 0
+    def _stayed_now(self) -> tuple[int, int]:
+        """The saves that stayed by device_budget this step, and their bytes; under _counts."""
+        return self._stayed_n, self._step_bytes if self._room >= 0 else self._stayed
+
+    def _kept_now(self) -> tuple[int, int]:
+        """Saves kept this step without an entry (not yet in ``_kept_by``); under _counts."""
+        if self.plans is not None:
+            return self.plans.kept()
+        return self._stayed_now()
 
     def step_ended(self) -> None:
         """A backward ran and the next step begins (NOTE [ Saves that stay ])."""
         with self._counts:
             if self.plans is not None:
                 return
+            n, nbytes = self._stayed_now()
+            counts = self._kept_by["device_budget"]
+            counts[0] += n
+            counts[1] += nbytes
             device = self._tiers["device"]
             device.budget = int(self.config.device_budget)
-            self._room = device.budget - device.bytes  # a graph kept across steps holds some
-            self._fits = 0 < self._step_bytes <= self._room
-            self._step_bytes = self._stayed = 0
+            room = device.budget - device.bytes  # a graph kept across steps holds some
+            self._room = room if 0 < self._step_bytes <= room else -1
+            self._step_bytes = self._stayed_n = self._stayed = 0
 
     def empty(
         self,
@@ -582,9 +589,11 @@ class TierManager:
     def pack_tally(self) -> PackTally:
         """A snapshot of the saves by where they went (NOTE [ Is it working? ])."""
         with self._counts:
-            self._fold_stayed()
             tally = self.tally.copy()
+            now = self._kept_now()
             for why, (n, nbytes) in self._kept_by.items():
+                if why == "device_budget":
+                    n, nbytes = n + now[0], nbytes + now[1]
                 if n:
                     had_n, had_bytes = tally.counts.get(why, (0, 0))
                     tally.counts[why] = (had_n + n, had_bytes + nbytes)
@@ -593,10 +602,10 @@ class TierManager:
     def _kept_totals(self) -> tuple[int, int]:
         """Saves kept as they are, whatever the reason, and their bytes."""
         with self._counts:
-            self._fold_stayed()
+            n, nbytes = self._kept_now()
             return (
-                sum(n for n, _ in self._kept_by.values()),
-                sum(b for _, b in self._kept_by.values()),
+                n + sum(n for n, _ in self._kept_by.values()),
+                nbytes + sum(b for _, b in self._kept_by.values()),
             )
 
     def _tally(self, entry: Entry, nbytes: int) -> None:

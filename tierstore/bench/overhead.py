@@ -8,7 +8,10 @@ every save kept (``device_budget`` larger than the step), and
 ``activation_budget`` at 1.0 and 0.5. The rows take turns in rounds of a
 few steps each, so the machine's drift (another process, a clock change)
 falls on every row alike. Each row reports microseconds per save over no
-hooks (the difference of medians over the saves of one step), and the
+hooks: in each round, its median step less no hooks' median step in the
+same round, the median of those over the rounds, over the saves of one
+step (a difference taken within a round cancels the drift between
+rounds, which on a shared machine exceeds the figure judged). And the
 mean and the largest step over the median: a plan made on the training
 thread, or a stall every few steps, shows there and not in the median.
 Gradients of every row are checked bitwise against no hooks' on the same
@@ -181,13 +184,20 @@ def _measure(
             out[name].grads_equal = all(
                 torch.equal(a, b) for a, b in zip(grads, reference, strict=True)
             )
+        over_none: dict[str, list[float]] = {name: [] for name in rows}
         for _ in range(rounds):
+            this_round: dict[str, float] = {}
             for name, ctx in rows.items():
                 gc.collect()
+                steps = []
                 for _ in range(steps_per_round):
                     start = time.perf_counter()
                     step(ctx)
-                    out[name].steps_s.append(time.perf_counter() - start)
+                    steps.append(time.perf_counter() - start)
+                out[name].steps_s += steps
+                this_round[name] = statistics.median(steps)
+            for name, median in this_round.items():
+                over_none[name].append(median - this_round["none"])
         for name, ctx in rows.items():
             store = getattr(ctx, "__self__", None)
             if isinstance(store, TierStore):
@@ -198,9 +208,8 @@ def _measure(
                     "recomputed": s.recomputed,
                     "bytes_written": sum(t.bytes_written for t in s.tiers.values()),
                 }
-    base = out["none"].median_s
     for row in out.values():
-        row.us_per_save = (row.median_s - base) / saves * 1e6
+        row.us_per_save = statistics.median(over_none[row.name]) / saves * 1e6
         row.stats["saves_per_step"] = saves
     return list(out.values())
 
