@@ -7,6 +7,7 @@ tokens and dropout masks (each step reseeds the generator).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import warnings
@@ -20,6 +21,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import tierstore
+from tierstore import plans
 from tierstore.backends import host
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.config import human_bytes
@@ -690,69 +692,105 @@ def test_a_first_planned_step_far_off_is_corrected_at_once_then_checked_again() 
     assert runner.plan.predicted_step_s == pytest.approx(0.5)
 
 
-class _FakeEvents:
-    """A device timer whose marks are device seconds the test sets (NOTE [ Timing a profile ])."""
+class _FakeEvent:
+    """A recorded device event at a device time the test sets."""
+
+    def __init__(self, clock: _FakeDevice) -> None:
+        self.clock, self.t = clock, clock.now
+
+    def synchronize(self) -> None:
+        self.clock.read = True
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+class _FakeDevice:
+    """A device clock the test moves (NOTE [ Timing a profile ])."""
 
     def __init__(self) -> None:
         self.now = 0.0
         self.read = False
 
-    def mark(self) -> object:
-        return ("event", self.now)
-
-    def seconds(self, mark: object) -> float:
-        assert isinstance(mark, tuple) and mark[0] == "event"
-        self.read = True
-        return float(mark[1])
+    def event(self) -> _FakeEvent:
+        return _FakeEvent(self)
 
 
-def test_a_profile_on_a_device_is_timed_by_its_marks_not_the_host_clock() -> None:
-    # NOTE [ Timing a profile ]: the host runs ahead of (or, with a sync per
-    # op, far behind) the device; the profile's times are the device's marks,
-    # and an op's event-timed cost is read only when the plan is made.
-    events = _FakeEvents()
+def test_a_profile_on_a_device_counts_its_busy_time_not_the_idle_or_the_host() -> None:
+    # NOTE [ Timing a profile ]: the profiled step idles the device (it moves
+    # every save and runs the recorder's Python); the profile's times are the
+    # spans of the step's own work, summed, and read only when the plan is made.
+    device = _FakeDevice()
     runner = PlanRunner(
         tierstore.TierConfig(activation_budget=0.5),
         LinkClock(),
         LinkClock(),
         lambda: 0.0,
-        timer=lambda: events,
+        events=lambda: device.event,
         background=False,
     )
-    costs_read: list[int] = []
-
-    def cost(i: int) -> Callable[[], float]:
-        def read() -> float:
-            costs_read.append(i)
-            return 0.001 * (i + 1)
-
-        return read
-
+    costs: list[Callable[[], float]] = []
     for _ in range(2):  # warm-up, then the profile
-        events.now = 0.0
+        timer = runner.profile_timer()
+        device.now = 0.0
         for key in range(4):
-            events.now += 0.010  # 10 ms of device time per save...
+            start = timer.begin()
+            device.now += 0.010  # an op: 10 ms of device time...
+            costs.append(functools.partial(timer.elapsed, start, timer.end()))
+            device.now += 0.5  # ...then the device idles while the host packs
             runner.choose(1 << 20)
             if runner.profiling:
                 runner.saved(
-                    key, nbytes=1 << 20, op="aten.mm", module=f"m{key}", rebuild_s=cost(key),
-                    input_keys=(),
+                    key, nbytes=1 << 20, op="aten.mm", module=f"m{key}", rebuild_s=costs[-1],
+                    input_keys=(), cuda=True,
                 )  # fmt: skip
-            time.sleep(0.02)  # ...and far more host time: the host is not the clock
+        time.sleep(0.02)  # host time: not the clock
         for key in reversed(range(4)):
-            events.now += 0.020
+            timer.begin()  # the node that saved it
             runner.used(key)
-        assert not events.read and costs_read == []  # nothing read while the step runs
+            device.now += 1.0  # the store fetches: not the node's time
+            timer.resume()
+            device.now += 0.020
+            timer.end()
+        assert not device.read  # nothing read while the step runs
         runner.step_ended(0)
     plan = runner.plan
-    assert plan is not None and events.read
+    assert plan is not None and device.read
     profile = plan.profile
-    assert profile.forward_s == pytest.approx(0.060)  # backward's first use, after 4 saves
+    assert profile.forward_s == pytest.approx(0.040)  # four ops, no idle
     assert [s.forward_s for s in profile.saves] == pytest.approx([0.01, 0.02, 0.03, 0.04])
     assert [s.use_s for s in profile.saves] == pytest.approx([0.06, 0.04, 0.02, 0.0])
-    assert profile.backward_s == pytest.approx(0.060)
-    assert [s.rebuild_s for s in profile.saves] == pytest.approx([0.001, 0.002, 0.003, 0.004])
-    assert sorted(costs_read) == [0, 1, 2, 3]
+    assert profile.backward_s == pytest.approx(0.080)  # the last node's own time too
+    assert [s.rebuild_s for s in profile.saves] == pytest.approx([0.01] * 4)
+    assert profile.other_s < 0.01  # nothing ran after backward's last use
+
+
+def test_a_cpu_step_under_an_initialised_cuda_is_timed_by_the_host() -> None:
+    # A BusyTimer answers in host seconds until the step saves a CUDA tensor.
+    device = _FakeDevice()
+    runner = PlanRunner(
+        tierstore.TierConfig(activation_budget=0.5),
+        LinkClock(),
+        LinkClock(),
+        lambda: 0.0,
+        events=lambda: device.event,
+        background=False,
+    )
+    for _ in range(2):
+        timer = runner.profile_timer()
+        for key in range(2):
+            timer.begin()
+            time.sleep(0.01)
+            timer.end()
+            runner.choose(1 << 20)
+            if runner.profiling:
+                runner.saved(key, nbytes=1 << 20, op="aten.mm", module="m", rebuild_s=0.001,
+                             input_keys=())  # fmt: skip
+        for key in reversed(range(2)):
+            runner.used(key)
+        runner.step_ended(0)
+    assert runner.plan is not None and not device.read
+    assert runner.plan.profile.forward_s >= 0.02
 
 
 def test_a_planned_step_records_only_inside_the_modules_it_rebuilds_in(
@@ -825,3 +863,68 @@ def _spy_packs(store: tierstore.TierStore) -> list[Any]:
 
     store._pack = spy  # type: ignore[method-assign]
     return seen
+
+
+def test_a_device_profile_leaves_out_the_stores_waits_and_unhooks_its_nodes(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ Timing a profile ]: the profiled step's ops and backward nodes
+    # are spans; the store's slow puts and fetches between and inside them
+    # are not the step's compute. Events here read the host's clock, and the
+    # timer counts them as a device's.
+    class HostEvent:
+        def __init__(self) -> None:
+            self.t = time.perf_counter()
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: HostEvent) -> float:
+            return (end.t - self.t) * 1e3
+
+    class OnDevice(plans.BusyTimer):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.device = True
+
+    monkeypatch.setattr(plans, "BusyTimer", OnDevice)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())
+                                  for _ in range(4)])  # fmt: skip
+    x = torch.randn(16, 32)
+    store = tierstore.TierStore(
+        tierstore.TierConfig(activation_budget=0.5, min_offload_bytes=0, disk_path=spill_root)
+    )
+    runner = store._runner
+    assert runner is not None
+    runner.background = False
+    runner._events = lambda: HostEvent
+    manager, slept = store._manager, [0.0]
+    put, get = manager.put, manager.get
+
+    def slow(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.005)
+            slept[0] += 0.005
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(manager, "put", slow(put))
+    monkeypatch.setattr(manager, "get", slow(get))
+    hooked = []
+    for _ in range(2):  # warm-up, then the profile
+        slept[0] = 0.0
+        with store.offload():
+            loss = model(x).square().mean()
+        hooked.append(len(store._timed_nodes))
+        loss.backward()
+    with store.offload():  # the profile's step ends: planned
+        pass
+    assert hooked[0] == 0 and hooked[1] > 0 and store._timed_nodes == {}
+    plan = store.plan()
+    assert plan is not None
+    profile = plan.profile
+    assert slept[0] > 0.05
+    assert profile.forward_s + profile.backward_s < slept[0] / 8
+    store.close()

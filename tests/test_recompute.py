@@ -24,6 +24,7 @@ import tierstore
 from tierstore import recompute
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.handle import Handle
+from tierstore.plans import BusyTimer
 from tierstore.recompute import Recipe, Recorder, everything
 
 from .conftest import DISK_VARIANTS, FailingBackward, all_to_disk, assert_empty, buffers_in_use
@@ -831,8 +832,9 @@ def test_gpt_with_dropout_is_bitwise(host_store: tierstore.TierStore) -> None:
 
 
 def test_an_event_timed_op_is_read_when_asked_not_when_recorded() -> None:
-    # NOTE [ Timing a profile ] in plans.py: on CUDA an op's cost is the two
-    # events around it, read (and waited for) only when the plan is made.
+    # NOTE [ Timing a profile ] in plans.py: on CUDA an op is a span of the
+    # profile's BusyTimer, its two events read (and waited for) only when the
+    # plan is made.
     class Event:
         def __init__(self, ms: float) -> None:
             self.ms, self.waited = ms, False
@@ -844,17 +846,20 @@ def test_an_event_timed_op_is_read_when_asked_not_when_recorded() -> None:
             assert end.waited
             return end.ms - self.ms
 
-    recorder = Recorder(everything, lambda t: t.grad_fn is None)
+    events: list[Event] = []
+
+    def record() -> Event:
+        events.append(Event(len(events) ** 2))  # the device's clock, in ms
+        return events[-1]
+
+    timer = BusyTimer(lambda: 0.0, record)
+    timer.device = True
+    recorder = Recorder(everything, lambda t: t.grad_fn is None, timer=timer)
     x = torch.randn(8, requires_grad=True)
     with recorder:
         y = x.sin()
-    origins = [o for views in recorder._origins.values() for _, o, _ in views.values()]
-    ends = []
-    for i, origin in enumerate(origins):
-        origin.cost = (Event(0.0), Event(i + 1.0))
-        ends.append(origin.cost[1])
     op, cost, _, _ = recorder.describe(y)
     assert op == "aten.sin" and callable(cost)
-    assert not any(e.waited for e in ends)
-    assert cost() == pytest.approx(1e-3 * sum(i + 1 for i, o in enumerate(origins) if o.func is
-                                              torch.ops.aten.sin.default))  # fmt: skip
+    assert events and not any(e.waited for e in events)
+    start, end = events[-2:]  # sin's span
+    assert cost() == pytest.approx(1e-3 * (end.ms - start.ms)) and end.waited

@@ -40,6 +40,7 @@ from tierstore.config import TierConfig, load_config
 from tierstore.errors import ConfigError, TierstoreWarning, modified_in_place
 from tierstore.handle import Handle
 from tierstore.planner import Choice, Plan
+from tierstore.plans import BusyTimer
 from tierstore.recompute import (
     Policy,
     Recipe,
@@ -644,6 +645,8 @@ class TierStore:
         # NOTE [ Recording where a plan rebuilds ]: the profiled step's modules by name.
         self._modules: dict[str, weakref.ref[torch.nn.Module]] = {}
         self._regions = _Regions(everything, self._stays)
+        # NOTE [ Timing a profile ] in plans.py: the profiled step's backward nodes.
+        self._timed_nodes: dict[int, tuple[Any, Any, Any]] = {}
 
     @contextlib.contextmanager
     def offload(self, recompute: RecomputeSetting | None = None) -> Iterator[TierStore]:
@@ -725,7 +728,8 @@ class TierStore:
             block.tracker.__enter__()
         if policy is not None and _local.recorder is None:
             where = (lambda: _module_name(_local.tracker)) if block.tracker is not None else None
-            recorder = Recorder(policy, self._stays, timed=timed, max_depth=depth or 8, where=where)
+            timer = runner.profile_timer() if timed and runner is not None else None
+            recorder = Recorder(policy, self._stays, timer=timer, max_depth=depth or 8, where=where)
             try:
                 recorder.__enter__()  # type: ignore[no-untyped-call]
             except BaseException:
@@ -778,6 +782,8 @@ class TierStore:
         """NOTE [ Step log ]; with activation_budget, the plan's turn (NOTE [ Planned saves ])."""
         self._step_unpacks = self._unpacks
         self._steps += 1
+        if self._timed_nodes:
+            self._untime_nodes()
         self._manager.step_ended()
         if self._runner is not None and not self._manager.closed:
             line, warning = self._manager.plan_step_ended()
@@ -918,6 +924,7 @@ class TierStore:
                 self._step_ended()  # the last step's line (NOTE [ Step log ])
         finally:
             self._regions.remove()
+            self._untime_nodes()
             self._manager.close()
 
     def __enter__(self) -> TierStore:
@@ -1031,7 +1038,35 @@ class TierStore:
                 cuda=t.is_cuda,
                 made_in=made_in,
             )
+            timer = runner.timer
+            if isinstance(timer, BusyTimer) and t.grad_fn is not None:
+                self._time_node(t.grad_fn, timer)
         return handle
+
+    def _time_node(self, node: Any, timer: BusyTimer) -> None:
+        """Time the backward of the node that made a profiled save (NOTE [ Timing a profile ])."""
+        if id(node) in self._timed_nodes:
+            return
+
+        def began(grad_outputs: Any) -> None:
+            timer.begin()
+
+        def ended(grad_inputs: Any, grad_outputs: Any) -> None:
+            timer.end()
+
+        # The node is held till the step ends: its id stays its own.
+        self._timed_nodes[id(node)] = (
+            node,
+            node.register_prehook(began),
+            node.register_hook(ended),
+        )
+
+    def _untime_nodes(self) -> None:
+        """Take the profiled step's node hooks off (a graph kept for another backward)."""
+        nodes, self._timed_nodes = self._timed_nodes, {}
+        for _, *handles in nodes.values():
+            for handle in handles:
+                handle.remove()
 
     @_never_traced
     def _unpack(self, packed: Handle | _Kept | Recipe) -> torch.Tensor:
@@ -1049,7 +1084,13 @@ class TierStore:
             if t._version != packed.version:
                 raise modified_in_place(tuple(t.shape), t.dtype, t._version, packed.version)
             return t
-        return self._fetch(packed)
+        if runner is None or not runner.profiling:
+            return self._fetch(packed)
+        t = self._fetch(packed)
+        timer = runner.timer
+        if timer is not None:
+            timer.resume()  # the node's time is its kernels', not the store's fetch
+        return t
 
     def _fetch(self, packed: Handle | Recipe) -> torch.Tensor:
         """The tensor a stored or rebuilt save stands for (a kept one is unpack's short way)."""

@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.pipeline import LinkClock
@@ -106,13 +106,20 @@ __all__ = ["HostTimer", "PlanRunner", "Timer", "budget_bytes"]
 # A profile's times are when each save was made and first used, and what
 # each op that could rebuild it took. On a CPU they are perf_counter seconds
 # with the store's own waits taken out (HostTimer). On a GPU the host runs
-# ahead of the device, and a synchronisation around each op to time it on
-# the host makes small ops several times slower than in a real step (a
-# profile of a 99 ms H200 step predicted 486 ms): there the marks are CUDA
-# events recorded on the current stream (Transfers.event_timer), and the
-# seconds between them are read once, when the profile becomes a plan. The
-# recorder times its ops the same way (Recorder, in recompute.py); a time
-# not yet known travels as a function that reads it.
+# ahead of the device in a real step, and the profiled step is not a real
+# step: it moves every save, waits on the link, and runs the recorder's
+# Python on every op, so the device idles between its kernels. A sync
+# around each op made small ops several times slower than in a real step
+# (a 99 ms H200 step predicted at 486 ms); events on the stream alone still
+# counted the idle gaps (a 58 ms step predicted at 317 ms). So on a GPU the
+# profile's clock is the device's busy time (BusyTimer): CUDA events around
+# each forward op (the recorder's spans) and around each backward node that
+# made a saved tensor (hooks on its grad_fn, the profiled step only), less
+# the store's fetch inside a node (resume()), summed. A mark is the number
+# of spans closed before it; the seconds are read once, when the profile
+# becomes a plan, and an op's time not yet known travels as a function that
+# reads it. What the step does outside forward and backward (the optimizer,
+# the loader) is the host's time after backward's last use.
 
 #: How far a prediction may be off before the plan is made again.
 REFIT_TOLERANCE = 0.10
@@ -140,6 +147,18 @@ class Timer(Protocol):
     def seconds(self, mark: object) -> float:
         """Seconds from the step's start to ``mark``."""
 
+    def begin(self) -> Any:
+        """The start of a span of the step's own work (an op, a backward node)."""
+
+    def end(self) -> Any:
+        """The end of the span under way."""
+
+    def resume(self) -> None:
+        """The span under way waited on the store until now: count it from here."""
+
+    def elapsed(self, start: Any, end: Any) -> float:
+        """Seconds between a span's start and end."""
+
 
 class HostTimer:
     """perf_counter marks with the store's waits taken out (NOTE [ Timing a profile ]).
@@ -163,6 +182,101 @@ class HostTimer:
         """Compute seconds since the timer began."""
         assert isinstance(mark, float)
         return mark - self._origin
+
+    @staticmethod
+    def begin() -> float:
+        """perf_counter."""
+        return time.perf_counter()
+
+    end = begin
+
+    def resume(self) -> None:
+        """Nothing: the store's waits are taken out of the marks already."""
+
+    @staticmethod
+    def elapsed(start: Any, end: Any) -> float:
+        """``end - start``."""
+        return float(end - start)
+
+
+class BusyTimer:
+    """The device's busy time: event spans around the step's own work, summed.
+
+    NOTE [ Timing a profile ]. ``event()`` records an event on the current
+    stream (``torch.cuda.Event`` with ``enable_timing``, recorded; a test
+    passes its own). Until :attr:`device` is set (the step saved a CUDA
+    tensor), it answers as a :class:`HostTimer` does: a CPU model on a
+    machine whose CUDA is initialised.
+
+    Example:
+        >>> from tierstore.plans import BusyTimer
+        >>> class Event:
+        ...     def __init__(self, t): self.t = t
+        ...     def synchronize(self): pass
+        ...     def elapsed_time(self, end): return (end.t - self.t) * 1e3
+        >>> now = [0.0]
+        >>> timer = BusyTimer(lambda: 0.0, lambda: Event(now[0]))
+        >>> timer.device = True
+        >>> _ = timer.begin(); now[0] = 0.002; _ = timer.end()  # an op: 2 ms
+        >>> now[0] = 0.050                                       # idle: not counted
+        >>> _ = timer.begin(); now[0] = 0.053; _ = timer.end()  # 3 ms
+        >>> round(timer.seconds(timer.mark()), 6)
+        0.005
+    """
+
+    def __init__(self, waits: Callable[[], float], event: Callable[[], Any]) -> None:
+        self.host = HostTimer(waits)
+        self.device = False
+        self._event = event
+        self._spans: list[tuple[Any, Any]] = []
+        self._open: Any = None
+        self._busy: list[float] | None = None  # seconds before each span, read once
+
+    def begin(self) -> tuple[Any, float]:
+        """Open a span (closing one left open: a node inside a node, as in reentrant backward)."""
+        start = (self._event(), time.perf_counter())
+        if self._open is not None:
+            self._spans.append((self._open, start))
+        self._open = start
+        return start
+
+    def end(self) -> tuple[Any, float]:
+        """Close the span under way."""
+        end = (self._event(), time.perf_counter())
+        if self._open is not None:
+            self._spans.append((self._open, end))
+            self._open = None
+        return end
+
+    def resume(self) -> None:
+        """The span under way counts from now."""
+        if self._open is not None:
+            self._open = (self._event(), time.perf_counter())
+
+    def mark(self) -> tuple[int, float]:
+        """The spans closed so far, and the host's mark."""
+        return len(self._spans), self.host.mark()
+
+    def seconds(self, mark: object) -> float:
+        """Busy seconds before ``mark`` (waits for its spans' events)."""
+        assert isinstance(mark, tuple)
+        spans, host = mark
+        if not self.device:
+            return self.host.seconds(host)
+        if self._busy is None:
+            busy, total = [0.0], 0.0
+            for start, end in self._spans:
+                total += self.elapsed(start, end)
+                busy.append(total)
+            self._busy = busy
+        return self._busy[spans]
+
+    def elapsed(self, start: Any, end: Any) -> float:
+        """A span's seconds: the events' on the device, else the host's."""
+        if not self.device:
+            return float(end[1] - start[1])
+        end[0].synchronize()
+        return max(0.0, float(start[0].elapsed_time(end[0])) / 1e3)
 
 
 #: A row's rebuild time: seconds, a function that reads them (event-timed), or None.
@@ -203,6 +317,7 @@ class _Step:
     read: tuple[int, float] = (0, 0.0)
     io_cpu: float = 0.0  # the I/O threads' CPU seconds when the step began
     cuda: bool = False  # a save was a CUDA tensor
+    last_use_host: float = 0.0  # perf_counter at backward's latest use (a profiled step)
     kept_used: int = 0  # bytes of plan-kept saves backward has used (NOTE [ Saves that stay ])
 
 
@@ -233,11 +348,12 @@ class PlanRunner:
         io_cpu: object = None,
         *,
         background: bool = True,
-        timer: Callable[[], Timer | None] | None = None,
+        events: Callable[[], Callable[[], Any] | None] | None = None,
     ) -> None:
         assert config.activation_budget is not None
         self.background = background  # NOTE [ Planning off the training thread ]
-        self._event_timer = timer  # () -> a device's Timer, or None: the host's
+        # () -> a factory of recorded device events when a device is in use (BusyTimer)
+        self._events = events
         self._remaking: threading.Thread | None = None
         self._remade: tuple[tuple[int, ...], Plan, str] | None = None
         self._closed = False
@@ -376,8 +492,10 @@ class PlanRunner:
         profiling = self.plan is None or self._unseen is not None
         step = _Step(time.perf_counter(), profiling, waits_at_start=self._now_waits())
         if profiling:  # NOTE [ Timing a profile ]
-            device = self._event_timer() if self._event_timer is not None else None
-            step.timer = device if device is not None else HostTimer(self._now_waits)
+            event = self._events() if self._events is not None else None
+            step.timer = (
+                HostTimer(self._now_waits) if event is None else BusyTimer(self._now_waits, event)
+            )
         step.written = self._writes.snapshot()
         step.read = self._reads.snapshot()
         step.io_cpu = self._io_cpu() if callable(self._io_cpu) else 0.0
@@ -470,7 +588,10 @@ class PlanRunner:
         """
         step = self._step
         assert step is not None and step.profiling
-        step.cuda = step.cuda or cuda
+        if cuda and not step.cuda:
+            step.cuda = True
+            if isinstance(step.timer, BusyTimer):
+                step.timer.device = True
         inputs = tuple(step.row_of_key[k] for k in input_keys if k in step.row_of_key)
         again = key in step.row_of_key
         if not again:
@@ -501,10 +622,23 @@ class PlanRunner:
         if step.backward_at is None:
             step.backward_at = now
         step.last_use = now
+        step.last_use_host = time.perf_counter()
         row = step.row_of_key.get(key)
         if row is not None and step.rows[row].used_at is None:
             step.rows[row].used_at = now
         return False
+
+    def profile_timer(self) -> Timer:
+        """The profiled step's timer, beginning the step: its forward begins with the block."""
+        step = self._step if self._step is not None else self._begin()
+        assert step.timer is not None
+        return step.timer
+
+    @property
+    def timer(self) -> Timer | None:
+        """The timer of the step under way, if it is a profile whose times are kept."""
+        step = self._step
+        return step.timer if step is not None and step.profiling and self._warmed else None
 
     def kept(self) -> tuple[int, int]:
         """Saves the plan kept in the step under way, and their bytes.
@@ -569,8 +703,11 @@ class PlanRunner:
         if not rows or step.backward_at is None or step.timer is None:
             return None
         seconds = step.timer.seconds  # NOTE [ Timing a profile ]: read once, here
+        busy = isinstance(step.timer, BusyTimer) and step.timer.device
         forward = seconds(step.backward_at)
-        backward = max(seconds(step.last_use) - forward, 1e-9)
+        # On the device, every span closed: the nodes after the last use too.
+        last = step.timer.mark() if busy else step.last_use
+        backward = max(seconds(last) - forward, 1e-9)
         self._expected = tuple(r.nbytes for r in rows)
         self._checks.pop(self._expected, None)  # a new profile: its plan is checked afresh
         self._unseen = None
@@ -607,7 +744,12 @@ class PlanRunner:
             saves=saves,
             forward_s=forward,
             backward_s=backward,
-            other_s=max(0.0, total - waits - forward - backward),
+            other_s=max(
+                0.0,
+                total - (step.last_use_host - step.started)
+                if busy
+                else total - waits - forward - backward,
+            ),
             write_bytes_per_s=write or 1e9,
             read_bytes_per_s=read or write or 1e9,
             window_bytes=int(self._config.prefetch_bytes),

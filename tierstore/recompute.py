@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal
@@ -233,19 +232,15 @@ class _Origin:
         self.depth = depth
         self.outs = outs  # the layouts of several outputs, for out= (else empty)
         self.node: weakref.ref[_Node] | None = None
-        # The op's own time when the recorder times ops: seconds, or the two
-        # CUDA events around it (NOTE [ Timing a profile ] in plans.py).
-        self.cost: float | tuple[Any, Any] = 0.0
+        # The op's own time when the recorder times ops: seconds, or a function
+        # that reads its span's events (NOTE [ Timing a profile ] in plans.py).
+        self.cost: float | Callable[[], float] = 0.0
         self.module = ""  # where it ran, when the recorder is told (a profiled step)
 
     def seconds(self) -> float:
         """The op's own time (waits for its events on CUDA)."""
         cost = self.cost
-        if isinstance(cost, float):
-            return cost
-        start, end = cost
-        end.synchronize()
-        return float(start.elapsed_time(end)) / 1e3
+        return cost if isinstance(cost, float) else cost()
 
     def rebuild_cost(self) -> tuple[list[_Origin], list[Any]]:
         """The ops a rebuild replays, and the packed objects it reads.
@@ -600,7 +595,7 @@ class Recorder(TorchDispatchMode):
         is_kept: Callable[[torch.Tensor], bool],
         *,
         max_depth: int = MAX_DEPTH,
-        timed: bool = False,
+        timer: Any = None,
         where: Callable[[], str] | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -608,7 +603,7 @@ class Recorder(TorchDispatchMode):
         self._policy = policy
         self._is_kept = is_kept
         self._max_depth = max_depth
-        self._timed = timed
+        self._timer = timer  # a profile's Timer (plans.py): each op is a span of it
         self._ctx = SelectiveCheckpointContext(is_recompute=False)
         # storage -> {view key: (version, ...)}; weak on the storage, so an
         # entry dies with its memory and a reused address never matches.
@@ -626,7 +621,7 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self._timed:
+        if self._timer is not None:
             return self._timed_call(func, args, kwargs)
         out = func(*args, **kwargs)
         if (
@@ -641,21 +636,18 @@ class Recorder(TorchDispatchMode):
     def _timed_call(self, func: Any, args: Any, kwargs: Any) -> Any:
         """A profiled step (NOTE [ Planned steps ] in plans.py): each op's time, for its rebuild.
 
-        On CUDA, two events around the op on the current stream, read when
-        the profile becomes a plan (NOTE [ Timing a profile ] in plans.py):
-        no synchronisation, which would make the op look slower than it is.
+        The op is a span of the profile's timer: on CUDA two events around
+        it on the current stream, read when the profile becomes a plan
+        (NOTE [ Timing a profile ] in plans.py): no synchronisation, which
+        would make the op look slower than it is.
         """
-        if torch.cuda.is_initialized():
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = func(*args, **kwargs)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            cost: float | tuple[Any, Any] = (start, end)
-        else:
-            began = time.perf_counter()
-            out = func(*args, **kwargs)
-            cost = time.perf_counter() - began
+        timer = self._timer
+        start = timer.begin()
+        out = func(*args, **kwargs)
+        end = timer.end()
+        cost: float | Callable[[], float] = (
+            end - start if type(start) is float else functools.partial(timer.elapsed, start, end)
+        )
         if (
             torch.is_grad_enabled()
             and not torch.compiler.is_compiling()

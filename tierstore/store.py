@@ -56,7 +56,7 @@ from tierstore.plans import PlanRunner
 from tierstore.readahead import ReadAhead
 from tierstore.schedule import Schedule
 from tierstore.stats import TIERS, PackTally, Placement, Stats, Tier, TierStats
-from tierstore.transfers import Transfers, event_timer
+from tierstore.transfers import Transfers, cuda_events
 from tierstore.writebehind import WriteBehind
 
 __all__ = ["TierManager", "resting_nbytes"]
@@ -253,7 +253,7 @@ class TierManager:
                 self._pipeline.read_clock,
                 lambda: self._writes.pack_wait_s + self._reads.unpack_wait_s,
                 self._pipeline.io_cpu_s,
-                timer=event_timer,  # NOTE [ Timing a profile ] in plans.py
+                events=cuda_events,  # NOTE [ Timing a profile ] in plans.py
             )
         self._resident_peak = 0
         self._parent: int | None = None  # NOTE [ Forked children ] in tierstore/forks.py
@@ -592,11 +592,10 @@ class TierManager:
             tally = self.tally.copy()
             now = self._kept_now()
             for why, (n, nbytes) in self._kept_by.items():
-                if why == "device_budget":
-                    n, nbytes = n + now[0], nbytes + now[1]
-                if n:
+                live = now if why == "device_budget" else (0, 0)
+                if n + live[0]:
                     had_n, had_bytes = tally.counts.get(why, (0, 0))
-                    tally.counts[why] = (had_n + n, had_bytes + nbytes)
+                    tally.counts[why] = (had_n + n + live[0], had_bytes + nbytes + live[1])
             return tally
 
     def _kept_totals(self) -> tuple[int, int]:

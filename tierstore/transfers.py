@@ -451,41 +451,22 @@ class Transfers:
                 pool.close()
 
 
-class EventTimer:
-    """CUDA events on the current stream, read once (NOTE [ Timing a profile ] in plans.py).
+def cuda_events() -> Callable[[], torch.cuda.Event] | None:
+    """A factory of timing events recorded on the current stream, when CUDA is in use.
+
+    A profile's :class:`~tierstore.plans.BusyTimer` takes it (NOTE [ Timing a
+    profile ] in plans.py); ``None`` where CUDA is not initialised.
 
     Example:
         >>> import torch
-        >>> from tierstore.transfers import EventTimer
-        >>> if torch.cuda.is_available():
-        ...     timer = EventTimer()
-        ...     assert timer.seconds(timer.mark()) >= 0
-    """
-
-    def __init__(self) -> None:
-        self._start = self.mark()
-
-    @staticmethod
-    def mark() -> torch.cuda.Event:
-        """An event recorded now on the current stream."""
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, mark: object) -> float:
-        """Device seconds from the timer's start to ``mark`` (waits for ``mark``)."""
-        assert isinstance(mark, torch.cuda.Event)
-        mark.synchronize()
-        return float(self._start.elapsed_time(mark)) / 1e3
-
-
-def event_timer() -> EventTimer | None:
-    """A profile's timer on the device when CUDA is in use, else ``None`` (the host's).
-
-    Example:
-        >>> import torch
-        >>> from tierstore.transfers import event_timer
-        >>> (event_timer() is None) == (not torch.cuda.is_initialized())
+        >>> from tierstore.transfers import cuda_events
+        >>> (cuda_events() is None) == (not torch.cuda.is_initialized())
         True
     """
-    return EventTimer() if torch.cuda.is_initialized() else None
+    return _recorded_event if torch.cuda.is_initialized() else None
+
+
+def _recorded_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
