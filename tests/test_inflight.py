@@ -24,6 +24,7 @@ from tierstore import codec, readahead, writebehind
 from tierstore.backends.file import FileBackend
 from tierstore.pipeline import Pipeline
 from tierstore.store import TierManager
+from tierstore.transfers import Transfers
 
 from .conftest import FailingBackward, buffers_in_use, reads_done_at_once
 
@@ -625,3 +626,36 @@ def test_a_save_put_on_the_disk_tier_starts_its_write_at_once(
     finally:
         gate.set()
         m.close()
+
+
+def test_copies_count_in_the_link_clock_as_they_complete_in_order() -> None:
+    # NOTE [ Copies on CUDA ]: each copy's two timing events, read once it
+    # has completed; a copy still under way holds back the ones behind it.
+    class Event:
+        def __init__(self, ms: float, done: bool = True) -> None:
+            self.ms, self.done = ms, done
+
+        def query(self) -> bool:
+            return self.done
+
+        def elapsed_time(self, end: Event) -> float:
+            return end.ms - self.ms
+
+    transfers = Transfers(tierstore.TierConfig(disk_budget=0))
+    late = Event(30.0, done=False)
+    transfers._timed.extend(
+        [
+            (transfers.d2h_clock, Event(0.0), Event(10.0), 500_000_000),
+            (transfers.h2d_clock, Event(10.0), late, 100),
+            (transfers.d2h_clock, Event(30.0), Event(40.0), 500_000_000),
+        ]
+    )
+    transfers.settle()
+    assert transfers.d2h_clock.snapshot() == (500_000_000, pytest.approx(0.010))
+    assert transfers.h2d_clock.snapshot() == (0, 0.0)
+    late.done = True
+    transfers.settle()
+    assert transfers.d2h_clock.snapshot() == (1_000_000_000, pytest.approx(0.020))
+    assert transfers.h2d_clock.snapshot() == (100, pytest.approx(0.020))
+    assert transfers.d2h_clock.rate_since((0, 0.0)) == pytest.approx(50e9)
+    transfers.close()

@@ -463,7 +463,7 @@ def test_the_table() -> None:
         "module        kept   offloaded     rebuilt    exposed",
         "m.0            0 B     1.0 MiB         0 B      0.1ms",
         "m.1            0 B     1.0 MiB         0 B      0.1ms",
-        "budget 0 B, window none (synchronous), floor 1.0 MiB",
+        "budget 0 B, window none (synchronous), floor 1.0 MiB; link out 20 GB/s, back 20 GB/s",
         "step: predicted 0.06021 s, measured 0.0612 s; peak: predicted 1.0 MiB, measured 1.0 MiB",
     ]
 

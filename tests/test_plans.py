@@ -928,3 +928,43 @@ def test_a_device_profile_leaves_out_the_stores_waits_and_unhooks_its_nodes(
     assert slept[0] > 0.05
     assert profile.forward_s + profile.backward_s < slept[0] / 8
     store.close()
+
+
+def test_a_device_profile_plans_on_its_timed_copies_not_the_disks_rate() -> None:
+    # NOTE [ Copies on CUDA ] in transfers.py: a device's budget is met over
+    # its own link; the plan divides by the copies' event-timed rate.
+    disk_writes, disk_reads, d2h, h2d = LinkClock(), LinkClock(), LinkClock(), LinkClock()
+    device = _FakeDevice()
+    runner = PlanRunner(
+        tierstore.TierConfig(activation_budget=0.5),
+        disk_writes,
+        disk_reads,
+        lambda: 0.0,
+        events=lambda: device.event,
+        device_links=(d2h, h2d),
+        background=False,
+    )
+    for _ in range(2):  # warm-up, then the profile
+        timer = runner.profile_timer()
+        for key in range(4):
+            timer.begin()
+            device.now += 0.010
+            timer.end()
+            runner.choose(64 << 20)
+            if runner.profiling:
+                runner.saved(key, nbytes=64 << 20, op="aten.mm", module="m", rebuild_s=0.001,
+                             input_keys=(), cuda=True)  # fmt: skip
+            d2h.add(64 << 20, (64 << 20) / 50e9)  # the copy off the device: 50 GB/s
+            disk_writes.started()
+            disk_writes.ended(1000)  # the disk behind the host: not the device's link
+        for key in reversed(range(4)):
+            timer.begin()
+            runner.used(key)
+            h2d.add(64 << 20, (64 << 20) / 40e9)
+            device.now += 0.020
+            timer.end()
+        runner.step_ended(0)
+    plan = runner.plan
+    assert plan is not None
+    assert plan.profile.write_bytes_per_s == pytest.approx(50e9)
+    assert plan.profile.read_bytes_per_s == pytest.approx(40e9)

@@ -128,6 +128,17 @@ class LinkClock:
             if not self._active:
                 self._busy_s += time.perf_counter() - self._since
 
+    def add(self, nbytes: int, seconds: float) -> None:
+        """A transfer of ``nbytes`` that kept the link busy ``seconds`` (timed by the caller).
+
+        Copies on one CUDA stream run one after another: their event-timed
+        seconds add up to the stream's busy time (NOTE [ Copies on CUDA ] in
+        transfers.py).
+        """
+        with self._lock:
+            self._bytes += nbytes
+            self._busy_s += seconds
+
     def snapshot(self) -> tuple[int, float]:
         """Bytes moved and busy seconds so far (a transfer under way counts its time)."""
         with self._lock:

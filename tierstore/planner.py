@@ -226,9 +226,11 @@ class Plan:
                 f"{module:<{width}}  {_size(kept):>10}  {_size(offloaded):>10}  "
                 f"{_size(rebuilt):>10}  {exposed * 1e3:>7.1f}ms"
             )
+        profile = self.profile
         lines.append(
             f"budget {_size(self.budget_bytes)}, window {_window(self.window_bytes)}, "
-            f"floor {_size(self.floor_bytes)}"
+            f"floor {_size(self.floor_bytes)}; link out {_rate(profile.write_bytes_per_s)}, "
+            f"back {_rate(profile.read_bytes_per_s)}"
         )
         measured_step = "-" if self.measured_step_s is None else f"{self.measured_step_s:.4g} s"
         measured_peak = "-" if self.measured_peak_bytes is None else _size(self.measured_peak_bytes)
@@ -243,6 +245,10 @@ def _window(n: int) -> str:
     if n == SYNCHRONOUS:
         return "none (synchronous)"
     return "one copy at a time" if n == ONE_AT_A_TIME else _size(n)
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.3g} GB/s"
 
 
 def _size(n: float) -> str:

@@ -315,6 +315,8 @@ class _Step:
     deviated_at: int | None = None  # the save that left the plan, matching no kept one
     written: tuple[int, float] = (0, 0.0)
     read: tuple[int, float] = (0, 0.0)
+    device_written: tuple[int, float] = (0, 0.0)  # the device link's clocks, each way
+    device_read: tuple[int, float] = (0, 0.0)
     io_cpu: float = 0.0  # the I/O threads' CPU seconds when the step began
     cuda: bool = False  # a save was a CUDA tensor
     last_use_host: float = 0.0  # perf_counter at backward's latest use (a profiled step)
@@ -349,11 +351,14 @@ class PlanRunner:
         *,
         background: bool = True,
         events: Callable[[], Callable[[], Any] | None] | None = None,
+        device_links: tuple[LinkClock, LinkClock] | None = None,
     ) -> None:
         assert config.activation_budget is not None
         self.background = background  # NOTE [ Planning off the training thread ]
         # () -> a factory of recorded device events when a device is in use (BusyTimer)
         self._events = events
+        # The device link's clocks (device to host, host to device): timed copies.
+        self._device_links = device_links
         self._remaking: threading.Thread | None = None
         self._remade: tuple[tuple[int, ...], Plan, str] | None = None
         self._closed = False
@@ -498,6 +503,9 @@ class PlanRunner:
             )
         step.written = self._writes.snapshot()
         step.read = self._reads.snapshot()
+        if self._device_links is not None:
+            step.device_written = self._device_links[0].snapshot()
+            step.device_read = self._device_links[1].snapshot()
         step.io_cpu = self._io_cpu() if callable(self._io_cpu) else 0.0
         self._step = step
         return step
@@ -727,6 +735,13 @@ class PlanRunner:
         waits = self._now_waits() - step.waits_at_start
         write = self._writes.rate_since(step.written)
         read = self._reads.rate_since(step.read)
+        if step.cuda and self._device_links is not None:
+            # A device's budget is met over its own link; the disk behind the
+            # host runs off the device's timeline (NOTE [ Copies on CUDA ] in
+            # transfers.py).
+            d2h, h2d = self._device_links
+            write = d2h.rate_since(step.device_written) or write
+            read = h2d.rate_since(step.device_read) or read
         moved = (
             self._writes.snapshot()[0] - step.written[0] + self._reads.snapshot()[0] - step.read[0]
         )

@@ -254,6 +254,7 @@ class TierManager:
                 lambda: self._writes.pack_wait_s + self._reads.unpack_wait_s,
                 self._pipeline.io_cpu_s,
                 events=cuda_events,  # NOTE [ Timing a profile ] in plans.py
+                device_links=(self._transfers.d2h_clock, self._transfers.h2d_clock),
             )
         self._resident_peak = 0
         self._parent: int | None = None  # NOTE [ Forked children ] in tierstore/forks.py
@@ -369,6 +370,7 @@ class TierManager:
         runner = self.plans
         assert runner is not None
         with self._locked():
+            self._transfers.settle()  # the copies that ended count in the link's rates
             with self._counts:
                 # The peak where no backward ran; after one, less than it took.
                 peak = max(self._resident_peak, self._kept_resident())

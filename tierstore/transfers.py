@@ -24,6 +24,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +34,7 @@ from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.entry import Entry
 from tierstore.errors import StoreClosedError, TierFullError
 from tierstore.forks import leave_to_parent
+from tierstore.pipeline import LinkClock
 
 __all__ = ["DeviceCopy", "HostCopy", "Transfers"]
 
@@ -67,6 +69,12 @@ __all__ = ["DeviceCopy", "HostCopy", "Transfers"]
 # back to the h2d stream, which is done with it in stream order.
 # A pool block goes back only once every copy issued before the release, on
 # both copy streams, has completed (an event recorded on each at release).
+# Rates: each copy is timed by a timing event recorded on its stream before
+# it (after the stream's waits) and its own completion event; as copies
+# complete (settle()) their bytes and seconds go to the link's clock,
+# d2h_clock or h2d_clock. Copies on one stream run one after another, so the
+# seconds add up to the time the stream was busy: what a plan for this
+# device divides by (NOTE [ Timing a profile ] in plans.py).
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,10 @@ class Transfers:
         # D2H copies under way, oldest first, and their bytes.
         self._copying: deque[Entry] = deque()
         self.copying_bytes = 0
+        #: The device link's rates each way, from timed copies (NOTE [ Copies on CUDA ]).
+        self.d2h_clock = LinkClock()
+        self.h2d_clock = LinkClock()
+        self._timed: deque[tuple[LinkClock, Any, Any, int]] = deque()  # copies not yet counted
         self.heap_releases = 0
         self._let_go_bytes = 0  # since the heap was last handed back
         leave_to_parent(self)
@@ -300,10 +312,26 @@ class Transfers:
         with torch.profiler.record_function("tierstore::d2h"):
             streams.d2h.wait_stream(producer)
             with torch.cuda.stream(streams.d2h):
+                began = self._began(streams.d2h)
                 host.copy_(span, non_blocking=True)
-                ready = torch.cuda.Event()
+                ready = torch.cuda.Event(enable_timing=True)
                 ready.record(streams.d2h)
+        self._timed.append((self.d2h_clock, began, ready, span.numel() * span.element_size()))
         return HostCopy(host, ready, block)
+
+    @staticmethod
+    def _began(stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """A timing event where a copy starts on ``stream`` (after its waits)."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def _count_copies(self) -> None:
+        """Give the link clocks the copies that completed (NOTE [ Copies on CUDA ])."""
+        timed = self._timed
+        while timed and timed[0][2].query():
+            clock, began, ended, nbytes = timed.popleft()
+            clock.add(nbytes, max(0.0, float(began.elapsed_time(ended)) / 1e3))
 
     def stage(self, span: torch.Tensor) -> torch.Tensor:
         """A copy of a CPU span in a leased buffer; the span itself when the pool is full.
@@ -353,6 +381,7 @@ class Transfers:
             self.copying_bytes -= entry.nbytes
             entry.ready = entry.source = None
             entry.let_go_of_original()
+        self._count_copies()
         self.reclaim()
 
     def copies_over(self, cap_bytes: int) -> bool:
@@ -384,9 +413,11 @@ class Transfers:
             with torch.cuda.stream(streams.h2d):
                 # On the stream that fills it (NOTE [ Copies on CUDA ]).
                 out = torch.empty(span.shape, dtype=span.dtype, device=device)
+                began = self._began(streams.h2d)
                 out.copy_(span, non_blocking=span.is_pinned())
-                ready = torch.cuda.Event()
+                ready = torch.cuda.Event(enable_timing=True)
                 ready.record(streams.h2d)
+        self._timed.append((self.h2d_clock, began, ready, span.numel() * span.element_size()))
         return DeviceCopy(out, ready)
 
     @staticmethod
@@ -442,6 +473,7 @@ class Transfers:
                 entry.ready.synchronize()
         self._copying.clear()
         self.copying_bytes = 0
+        self._timed.clear()
         for events, _ in self._returns:  # copies still using a block
             for event in events:
                 event.synchronize()
