@@ -117,11 +117,41 @@ def test_an_entry_prefetched_then_demoted_to_disk_reads_back(
     assert torch.equal(m.get(ha), a)
 
 
-def test_forward_never_waits_on_a_copy_in_flight(
+def test_without_a_budget_a_save_past_the_bound_waits_for_the_oldest_copy(
+    copies: list[int], closing: list[TierManager]
+) -> None:
+    # NOTE [ Copies in flight ]: every eligible save leaves the device.
+    m = _manager(copies, host_budget="1MiB", disk_budget=0, write_queue_bytes=8192)
+    closing.append(m)
+    events: list[_Event] = []
+
+    def fake_host_copy(span: torch.Tensor) -> HostCopy:
+        events.append(_Event())
+        return HostCopy(span.clone(), events[-1], None)  # type: ignore[arg-type]
+
+    m._transfers.host_copy = fake_host_copy  # type: ignore[method-assign]
+    saved = [torch.randn(1024) for _ in range(5)]  # 4 KiB each
+    handles = [m.put(t) for t in saved]
+    # The fourth and fifth found 12 KiB under way, past 8 KiB: each waited
+    # for the oldest copy, in order.
+    assert [e.waited for e in events] == [True, True, False, False, False]
+    tiers = m.stats().tiers
+    assert (tiers["device"].entries, tiers["host"].entries, tiers["device"].peak_bytes) == (0, 5, 0)
+    for handle, t in zip(handles, saved, strict=True):
+        assert torch.equal(m.get(handle), t)
+
+
+def test_with_a_budget_forward_never_waits_on_a_copy_in_flight(
     copies: list[int], closing: list[TierManager]
 ) -> None:
     # NOTE [ Copies in flight ]: D2H copies whose events have not completed.
-    m = _manager(copies, host_budget="1MiB", disk_budget=0, write_queue_bytes=8192)
+    m = _manager(
+        copies,
+        host_budget="1MiB",
+        disk_budget=0,
+        write_queue_bytes=8192,
+        activation_budget="1MiB",
+    )
     closing.append(m)
     events: list[_Event] = []
 

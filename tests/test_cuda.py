@@ -316,18 +316,49 @@ def test_second_step_prefetches_host_entries(
 _SLEEP_CYCLES = 2_000_000_000  # about a second of one GPU stream's time
 
 
-def test_forward_never_blocks_on_a_copy_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
-    """NOTE [ Copies in flight ]: over write_queue_bytes, saves stay on the device."""
+def _sines(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(6):
+        x = x.sin()  # saves its 1 MiB input
+    return x.sum()
+
+
+def test_without_a_budget_every_save_leaves_and_waits_past_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [ Copies in flight ]: the README's defaults: every eligible save moves."""
+    waited: list[torch.cuda.Event] = []
+    synchronize = torch.cuda.Event.synchronize
+
+    def counted(self: torch.cuda.Event) -> None:
+        waited.append(self)
+        synchronize(self)
+
+    with tierstore.TierStore(_host(write_queue_bytes="2MiB")) as store:
+        x = torch.randn(1 << 18, device=CUDA, requires_grad=True)
+        torch.cuda._sleep(_SLEEP_CYCLES // 4)  # the producer runs late: copies pile up
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.cuda.Event, "synchronize", counted)
+            with store.offload():
+                loss = _sines(x)
+        tiers = store.stats().tiers
+        assert (tiers["device"].entries, tiers["host"].entries) == (0, 6)
+        assert waited  # a save past 2 MiB under way waited for the oldest copy
+        loss.backward()
+        expected = x.detach().clone().requires_grad_()
+        _sines(expected).backward()
+        assert x.grad is not None and torch.equal(x.grad, expected.grad)
+
+
+def test_with_a_budget_forward_never_blocks_on_a_copy_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [ Copies in flight ]: with a budget, saves over the bound stay on the device."""
 
     def forbidden(self: torch.cuda.Event) -> None:
         raise AssertionError("forward waited on a CUDA event")
 
-    def chain(x: torch.Tensor) -> torch.Tensor:
-        for _ in range(6):
-            x = x.sin()  # saves its 1 MiB input
-        return x.sum()
-
-    with tierstore.TierStore(_host(write_queue_bytes="2MiB")) as store:
+    chain = _sines
+    with tierstore.TierStore(_host(write_queue_bytes="2MiB", activation_budget=0.001)) as store:
         x = torch.randn(1 << 18, device=CUDA, requires_grad=True)
         torch.cuda._sleep(_SLEEP_CYCLES)  # the producer runs late: no copy lands in forward
         with monkeypatch.context() as patch:
@@ -344,8 +375,8 @@ def test_forward_never_blocks_on_a_copy_in_flight(monkeypatch: pytest.MonkeyPatc
         assert x.grad is not None and torch.equal(x.grad, expected.grad)
 
 
-def test_a_copy_back_is_allocated_on_its_stream_and_waits_for_no_consumer() -> None:
-    """NOTE [ Copies on CUDA ]: the h2d stream allocates and fills; the consumer waits."""
+def test_a_copy_back_is_allocated_on_the_consumers_stream_and_waits_for_the_allocation() -> None:
+    """NOTE [ Copies on CUDA ]: the reload's memory is the compute stream's, no side pool."""
     with tierstore.TierStore(_host()) as store:
         transfers = store._manager._transfers
         span = torch.randn(1 << 20).pin_memory()
@@ -353,19 +384,34 @@ def test_a_copy_back_is_allocated_on_its_stream_and_waits_for_no_consumer() -> N
         busy = torch.cuda.Event()
         busy.record(torch.cuda.current_stream())
         copy = transfers.device_copy(span, CUDA)
-        assert copy.ready is not None
-        copy.ready.synchronize()  # the test's own wait: the copy has landed ...
-        assert not busy.query()  # ... while the consumer is still busy
-        h2d = transfers._streams_of(CUDA).h2d
+        assert copy.ready is not None and copy.stream == torch.cuda.current_stream()
+        copy.ready.synchronize()  # the copy has landed only after ...
+        assert busy.query()  # ... what the consumer queued before the allocation
         ptr = copy.tensor.data_ptr()
         (segment,) = (
             s
             for s in torch.cuda.memory_snapshot()
             if s["address"] <= ptr < s["address"] + s["total_size"]
         )
-        assert segment["stream"] == h2d.cuda_stream
+        assert segment["stream"] == torch.cuda.current_stream().cuda_stream
         out = Transfers.consume(copy)
         assert torch.equal(out.cpu(), span)
+
+
+def test_reloads_leave_no_pool_on_a_copy_stream() -> None:
+    """NOTE [ Copies on CUDA ]: after offloaded steps every segment is the compute stream's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)]).to(CUDA)
+    x = torch.randn(64, 256, device=CUDA)
+    with tierstore.TierStore(_host()) as store:
+        for _ in range(3):
+            with store.offload():
+                loss = model(x).square().mean()
+            loss.backward()
+        assert store.stats().tiers["host"].bytes_written > 0
+        streams = store._manager._transfers._streams_of(CUDA)
+        sides = {streams.h2d.cuda_stream, streams.d2h.cuda_stream}
+        assert not [s for s in torch.cuda.memory_snapshot() if s["stream"] in sides]
 
 
 def test_a_save_put_on_the_host_tier_starts_its_copy_at_once() -> None:

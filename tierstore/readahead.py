@@ -361,10 +361,12 @@ class ReadAhead:
 
     @staticmethod
     def _forget(ahead: concurrent.futures.Future[torch.Tensor] | DeviceCopy) -> None:
-        # A copy's memory is the h2d stream's, which is done with it in
-        # stream order (NOTE [ Copies on CUDA ]): dropping it is safe. A read
-        # has no side effect: cancelling it is safe.
-        if not isinstance(ahead, DeviceCopy):
+        # A copy's memory is its consumer stream's, which must wait for the
+        # copy before reusing it (NOTE [ Copies on CUDA ]). A read has no
+        # side effect: cancelling it is safe.
+        if isinstance(ahead, DeviceCopy):
+            Transfers.dropped(ahead)
+        else:
             ahead.cancel()
 
     # -- lifetime ------------------------------------------------------------------

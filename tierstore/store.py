@@ -84,14 +84,20 @@ __all__ = ["TierManager", "resting_nbytes"]
 # that keeps CPU tensors in RAM.
 
 # NOTE [ Copies in flight ]
-# Forward never blocks the CPU on a CUDA event: while it waits, it queues no
-# kernels, and the copies it waits for were meant to hide behind those. A
-# D2H copy's source stays on the device until the copy has read it, so the
-# bytes under way are bounded (by write_queue_bytes, as the disk queue is),
-# but by a query, not a wait: while copies over that bound are under way
-# (the events queried at each call, Transfers.settle), a new save stays on
-# the device tier, over device_budget if need be, as the newest entry. Once
-# the copies land, the next save first moves the device tier's oldest
+# A D2H copy's source stays on the device until the copy has read it, so
+# the bytes under way are bounded, by write_queue_bytes as the disk queue
+# is. Past that bound:
+#   * without activation_budget, the save waits for the oldest copy, as the
+#     README promises: every eligible save leaves the device, and forward
+#     runs at the link's pace where the link is the bottleneck. (It used to
+#     stay on the device without a word: the tail of forward never moved.)
+#   * with one, forward never blocks the CPU on a CUDA event (while it
+#     waits it queues no kernels, and the copies were meant to hide behind
+#     those): a query, not a wait. While copies over the bound are under
+#     way (the events queried at each call, Transfers.settle), a new save
+#     stays on the device tier, over device_budget if need be, as the
+#     newest entry; the plan bounds what it sends to what the link hides.
+# Once the copies land, the next save first moves the device tier's oldest
 # entries down until it is within budget again or the copies are over the
 # bound once more; backward takes whatever is still on the device as it is.
 # The decision reads only byte counts: the CPU tests drive it with events
@@ -815,6 +821,9 @@ class TierManager:
         self._writes.make_room(self._unlocked)
         cap = self._writes.limit.cap_bytes
         device = self._tiers["device"]
+        while self.plans is None and self._transfers.copies_over(cap):
+            self._unlocked(self._transfers.oldest_copy().synchronize)  # without a budget: wait
+            self._transfers.settle()
         while not self._transfers.copies_over(cap):
             oldest = device.oldest() if device.bytes > device.budget else None
             if oldest is None:

@@ -47,26 +47,28 @@ __all__ = ["DeviceCopy", "HostCopy", "Transfers"]
 # (Entry.ready, Entry.source, Entry.probe), so the caching allocator cannot
 # hand its memory to a new tensor while the copy still reads it. A disk
 # write of the block first waits for the event on the I/O thread.
-# H2D (backward needs it back): the destination is allocated on the h2d
-# stream, the stream that fills it, so the copy waits for nothing the
-# consumer has queued: only for the entry's D2H event if that copy is still
-# under way. The consumer's stream then waits on the H2D event
-# (DeviceCopy.ready; Transfers.consume): no host synchronisation anywhere.
-# Prefetched copies are issued at earlier unpacks, so they run on the h2d
-# stream while the consumer computes. (Allocated on the consumer's stream,
-# as before, the copy had to wait for everything queued there first: the
-# caching allocator hands the consumer's freed blocks out in that stream's
-# order. Read-ahead then ran no earlier than the compute it was to hide
-# behind.)
-# Lifetime: the caching allocator frees a block in the order of the stream
-# it was allocated on, and the consumer's uses of the tensor are on another
-# stream. An event does not suffice here: autograd hands our tensor on, and
-# a view of it can outlive everything we can observe (a gradient that is a
-# view of a saved tensor becomes .grad), so no callback of ours sees the
-# last use. consume() therefore calls record_stream(consumer): the one place
-# tierstore uses it, because the allocator honours it at the real free,
-# whenever that is. A copy dropped unconsumed needs nothing: its block goes
-# back to the h2d stream, which is done with it in stream order.
+# H2D (backward needs it back): the destination is allocated on the
+# consumer's stream (the current stream where the copy is issued: backward's),
+# and the h2d stream waits for an event recorded there after the allocation,
+# then for the entry's D2H event if that copy is still under way. The
+# consumer's stream then waits on the H2D event (DeviceCopy.ready;
+# Transfers.consume): no host synchronisation anywhere. Why the consumer's
+# stream: the caching allocator keeps a pool per stream and never hands a
+# block freed on one stream to another, so reloads allocated on the h2d
+# stream (as before) built a second pool beside the compute stream's that
+# nvidia-smi showed as reserved: 1.38x no offload's on an H200 at a budget
+# that moved nothing, left by the warm-up and profiled steps. The wait on
+# the allocation costs little: a prefetch is issued at an earlier unpack,
+# so the copy waits only for the compute queued before that unpack and runs
+# beside the compute after it.
+# Lifetime: the block belongs to the stream that uses the tensor, so the
+# allocator's stream-ordered reuse is right without record_stream, which
+# fragments the pool and delays every free (PyTorch's compiled offloading
+# dropped it for that). A consumer on another stream than the allocation's
+# (a model that runs backward on a side stream) still gets record_stream.
+# A copy dropped unconsumed (a read-ahead backward never asked for) makes
+# its stream wait on the copy's event (Transfers.dropped), so no later
+# kernel there can reuse the block while the copy still writes it.
 # A pool block goes back only once every copy issued before the release, on
 # both copy streams, has completed (an event recorded on each at release).
 # Rates: each copy is timed by a timing event recorded on its stream before
@@ -103,6 +105,9 @@ class HostCopy:
 class DeviceCopy:
     """A span copied back to its device on the h2d stream; ``ready`` is that copy's event.
 
+    ``stream``: the stream its memory was allocated on, the consumer's
+    (NOTE [ Copies on CUDA ]); ``None`` with no copy.
+
     Example:
         >>> import torch
         >>> from tierstore.transfers import DeviceCopy
@@ -112,6 +117,7 @@ class DeviceCopy:
 
     tensor: torch.Tensor
     ready: torch.cuda.Event | None
+    stream: torch.cuda.Stream | None = None
 
 
 class _Streams:
@@ -384,6 +390,12 @@ class Transfers:
         self._count_copies()
         self.reclaim()
 
+    def oldest_copy(self) -> torch.cuda.Event:
+        """The event of the oldest D2H copy under way (NOTE [ Copies in flight ] in store.py)."""
+        ready = self._copying[0].ready
+        assert ready is not None
+        return ready
+
     def copies_over(self, cap_bytes: int) -> bool:
         """Whether D2H copies still under way hold more than ``cap_bytes``; never waits.
 
@@ -407,31 +419,48 @@ class Transfers:
         if device.type != "cuda":
             return DeviceCopy(span.to(device), None)
         streams = self._streams_of(device)
+        consumer = torch.cuda.current_stream(device)  # at call time, never cached
         with torch.profiler.record_function("tierstore::h2d"):
+            # On the consumer's stream; the copy waits for the allocation
+            # there (NOTE [ Copies on CUDA ]).
+            out = torch.empty(span.shape, dtype=span.dtype, device=device)
+            allocated = torch.cuda.Event()
+            allocated.record(consumer)
+            streams.h2d.wait_event(allocated)
             if after is not None:
                 streams.h2d.wait_event(after)
             with torch.cuda.stream(streams.h2d):
-                # On the stream that fills it (NOTE [ Copies on CUDA ]).
-                out = torch.empty(span.shape, dtype=span.dtype, device=device)
                 began = self._began(streams.h2d)
                 out.copy_(span, non_blocking=span.is_pinned())
                 ready = torch.cuda.Event(enable_timing=True)
                 ready.record(streams.h2d)
         self._timed.append((self.h2d_clock, began, ready, span.numel() * span.element_size()))
-        return DeviceCopy(out, ready)
+        return DeviceCopy(out, ready, consumer)
 
     @staticmethod
     def consume(copy: DeviceCopy) -> torch.Tensor:
         """The copied tensor, usable on the current stream (which waits for the copy).
 
-        Its memory is the h2d stream's: the current stream's use is recorded
-        on it (NOTE [ Copies on CUDA ]).
+        Its memory is the stream's it was allocated on; a use on another
+        stream is recorded on it (NOTE [ Copies on CUDA ]).
         """
         if copy.ready is not None:
             consumer = torch.cuda.current_stream(copy.tensor.device)  # at call time
             consumer.wait_event(copy.ready)
-            copy.tensor.record_stream(consumer)
+            if consumer != copy.stream:
+                copy.tensor.record_stream(consumer)
         return copy.tensor
+
+    @staticmethod
+    def dropped(copy: DeviceCopy) -> None:
+        """A copy no one will consume: its memory's stream waits for it before reusing it.
+
+        NOTE [ Copies on CUDA ]: the block goes back to that stream's pool
+        when the tensor dies, and a kernel queued there later must not write
+        it while the copy still does.
+        """
+        if copy.ready is not None and copy.stream is not None:
+            copy.stream.wait_event(copy.ready)
 
     @staticmethod
     def done(event: torch.cuda.Event | None) -> bool:
