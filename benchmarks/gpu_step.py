@@ -133,13 +133,27 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
         out["plan_history"] = plans  # [planned steps so far, predicted s, last measured s]
         plan = store.plan()
         if plan is not None:
+            profile = plan.profile
+            # The first plan's prediction, before any check rescaled it, and
+            # the first step that ran on it (the store's third: warm-up, profile).
+            first = next((p[1] for p in plans if p[0] == 0), None)
             out["plan"] = {
                 "predicted_step_s": plan.predicted_step_s,
                 "measured_step_s": plan.measured_step_s,
+                "first_predicted_step_s": first,
+                "first_planned_step_s": steps[2] if len(steps) > 2 else None,
                 "predicted_peak_bytes": plan.predicted_peak_bytes,
                 "measured_peak_bytes": plan.measured_peak_bytes,
                 "bytes_by_choice": plan.bytes_by_choice(),
                 "steps": plan.steps,
+                "profile": {
+                    "forward_s": profile.forward_s,
+                    "backward_s": profile.backward_s,
+                    "other_s": profile.other_s,
+                    "write_bytes_per_s": profile.write_bytes_per_s,
+                    "read_bytes_per_s": profile.read_bytes_per_s,
+                },
+                "table": str(plan),
             }
         s = store.stats()
         out["stats"] = {"kept": s.kept, "packed": s.packed, "recomputed": s.recomputed}
@@ -199,7 +213,16 @@ def main() -> int:
         extra = ""
         if "plan" in r:
             pl = r["plan"]
+            first, ran = pl["first_predicted_step_s"], pl["first_planned_step_s"]
             extra = f"; plan predicted {pl['predicted_step_s'] * 1e3:.1f} ms"
+            if first is not None and ran is not None:
+                extra += (
+                    f" (first plan {first * 1e3:.1f} ms for a first planned step of "
+                    f"{ran * 1e3:.1f} ms and a median of {r['median_s'] * 1e3:.1f} ms)"
+                )
+            prof = pl["profile"]
+            out_rate, back_rate = prof["write_bytes_per_s"] / 1e9, prof["read_bytes_per_s"] / 1e9
+            extra += f"; links {out_rate:.1f}/{back_rate:.1f} GB/s"
         if "grads_bitwise_equal" in r:
             extra += f"; grads bitwise {r['grads_bitwise_equal']}"
         print(
