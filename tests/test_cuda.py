@@ -17,7 +17,6 @@ from torch import nn
 
 import tierstore
 from tierstore.backends import host
-from tierstore.transfers import Transfers
 
 EmptyCheck = Callable[[tierstore.TierStore], None]
 
@@ -394,7 +393,7 @@ def test_a_copy_back_is_allocated_on_the_consumers_stream_and_waits_for_the_allo
             if s["address"] <= ptr < s["address"] + s["total_size"]
         )
         assert segment["stream"] == torch.cuda.current_stream().cuda_stream
-        out = Transfers.consume(copy)
+        out = transfers.consume(copy)
         assert torch.equal(out.cpu(), span)
 
 

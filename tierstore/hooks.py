@@ -40,7 +40,6 @@ from tierstore.config import TierConfig, load_config
 from tierstore.errors import ConfigError, TierstoreWarning, modified_in_place
 from tierstore.handle import Handle
 from tierstore.planner import Choice, Plan
-from tierstore.plans import BusyTimer
 from tierstore.recompute import (
     Policy,
     Recipe,
@@ -330,11 +329,31 @@ class _Kept:
         self.planned = planned
 
 
-def _note(t: torch.Tensor, kept: _Kept) -> None:
-    """Tell the thread's recorder, if one runs, what autograd holds for ``t``."""
+def _kept_noted(t: torch.Tensor, planned: int = 0) -> _Kept:
+    """``t`` kept, told to the thread's recorder if one runs (its detach not recorded)."""
+    with _own_work():
+        kept = _Kept(t.detach(), t._version, planned)
     recorder = _local.recorder if _local.recompute else _local.region_recorder
     if recorder is not None:
         recorder.note_packed(t, kept, None)
+    return kept
+
+
+@contextlib.contextmanager
+def _own_work() -> Iterator[None]:
+    """Tierstore's own ops in a hook: the thread's recorder neither records nor times them.
+
+    A profile timed the copies off the device as the step's compute.
+    """
+    mode = _local.recorder
+    if mode is None:
+        yield
+        return
+    mode.paused += 1
+    try:
+        yield
+    finally:
+        mode.paused -= 1
 
 
 @functools.cache
@@ -645,8 +664,6 @@ class TierStore:
         # NOTE [ Recording where a plan rebuilds ]: the profiled step's modules by name.
         self._modules: dict[str, weakref.ref[torch.nn.Module]] = {}
         self._regions = _Regions(everything, self._stays)
-        # NOTE [ Timing a profile ] in plans.py: the profiled step's backward nodes.
-        self._timed_nodes: dict[int, tuple[Any, Any, Any]] = {}
 
     @contextlib.contextmanager
     def offload(self, recompute: RecomputeSetting | None = None) -> Iterator[TierStore]:
@@ -782,8 +799,6 @@ class TierStore:
         """NOTE [ Step log ]; with activation_budget, the plan's turn (NOTE [ Planned saves ])."""
         self._step_unpacks = self._unpacks
         self._steps += 1
-        if self._timed_nodes:
-            self._untime_nodes()
         self._manager.step_ended()
         if self._runner is not None and not self._manager.closed:
             line, warning = self._manager.plan_step_ended()
@@ -924,7 +939,6 @@ class TierStore:
                 self._step_ended()  # the last step's line (NOTE [ Step log ])
         finally:
             self._regions.remove()
-            self._untime_nodes()
             self._manager.close()
 
     def __enter__(self) -> TierStore:
@@ -955,10 +969,9 @@ class TierStore:
                 runner = self._runner
                 if runner is None:
                     if self._manager.stays(nbytes):
-                        kept = _Kept(t.detach(), t._version)
                         if _local.region_recorder is not None or _local.recompute:
-                            _note(t, kept)
-                        return kept
+                            return _kept_noted(t)
+                        return _Kept(t.detach(), t._version)
                     nbytes = _unusual(t) or nbytes
                     if type(nbytes) is int:
                         return self._pack_stored(t, nbytes, None)
@@ -967,10 +980,9 @@ class TierStore:
                     if type(nbytes) is int:
                         choice = runner.choose(nbytes)
                         if choice == "keep":  # counted by the runner, not here
-                            kept = _Kept(t.detach(), t._version, nbytes)
                             if _local.region_recorder is not None or _local.recompute:
-                                _note(t, kept)
-                            return kept
+                                return _kept_noted(t, nbytes)
+                            return _Kept(t.detach(), t._version, nbytes)
                         return self._pack_planned(t, nbytes, choice)
         else:
             nbytes = "keep" if tier == "device" else _offload_nbytes(t, self._min_bytes)
@@ -985,9 +997,7 @@ class TierStore:
         self._manager.count_kept(size, nbytes)  # type: ignore[arg-type]
         if self._runner is not None and nbytes in ("keep", "min_offload_bytes"):
             self._runner.kept_fixed(size)  # activations it keeps
-        kept = _Kept(t.detach(), t._version)
-        _note(t, kept)
-        return kept
+        return _kept_noted(t)
 
     def _pack_stored(self, t: torch.Tensor, nbytes: int, tier: Tier | None) -> Handle | Recipe:
         """The full path: an entry in the tier manager, or a recipe (NOTE [ Recompute ])."""
@@ -1002,7 +1012,8 @@ class TierStore:
             if packed is not None:
                 self._manager.count_recomputed(nbytes, t.device)
         if packed is None:
-            packed = self._manager.put(t, nbytes, tier)
+            with _own_work():
+                packed = self._manager.put(t, nbytes, tier)
             recorder.note_packed(t, packed, self._manager.get)
         else:
             recorder.note_packed(t, packed, None)
@@ -1021,7 +1032,8 @@ class TierStore:
                 recorder.note_packed(t, recipe, None)
                 return recipe
             choice = "offload"  # not rebuildable this time: its bytes still leave
-        handle = self._manager.put(t, nbytes, _PLACED[choice])
+        with _own_work():
+            handle = self._manager.put(t, nbytes, _PLACED[choice])
         if recorder is not None:
             recorder.note_packed(t, handle, self._manager.get)
         if runner.profiling:
@@ -1038,35 +1050,7 @@ class TierStore:
                 cuda=t.is_cuda,
                 made_in=made_in,
             )
-            timer = runner.timer
-            if isinstance(timer, BusyTimer) and t.grad_fn is not None:
-                self._time_node(t.grad_fn, timer)
         return handle
-
-    def _time_node(self, node: Any, timer: BusyTimer) -> None:
-        """Time the backward of the node that made a profiled save (NOTE [ Timing a profile ])."""
-        if id(node) in self._timed_nodes:
-            return
-
-        def began(grad_outputs: Any) -> None:
-            timer.begin()
-
-        def ended(grad_inputs: Any, grad_outputs: Any) -> None:
-            timer.end()
-
-        # The node is held till the step ends: its id stays its own.
-        self._timed_nodes[id(node)] = (
-            node,
-            node.register_prehook(began),
-            node.register_hook(ended),
-        )
-
-    def _untime_nodes(self) -> None:
-        """Take the profiled step's node hooks off (a graph kept for another backward)."""
-        nodes, self._timed_nodes = self._timed_nodes, {}
-        for _, *handles in nodes.values():
-            for handle in handles:
-                handle.remove()
 
     @_never_traced
     def _unpack(self, packed: Handle | _Kept | Recipe) -> torch.Tensor:
@@ -1084,13 +1068,7 @@ class TierStore:
             if t._version != packed.version:
                 raise modified_in_place(tuple(t.shape), t.dtype, t._version, packed.version)
             return t
-        if runner is None or not runner.profiling:
-            return self._fetch(packed)
-        t = self._fetch(packed)
-        timer = runner.timer
-        if timer is not None:
-            timer.resume()  # the node's time is its kernels', not the store's fetch
-        return t
+        return self._fetch(packed)
 
     def _fetch(self, packed: Handle | Recipe) -> torch.Tensor:
         """The tensor a stored or rebuilt save stands for (a kept one is unpack's short way)."""
@@ -1099,7 +1077,10 @@ class TierStore:
         assert isinstance(packed, Handle)
         # Read once for this unpack and the recipes that take it as an input.
         shared = shared_fetch(packed)
-        return shared if shared is not None else self._manager.get(packed)
+        if shared is not None:
+            return shared
+        with _own_work():
+            return self._manager.get(packed)
 
 
 # -- the process-wide stores behind tierstore.offload() ------------------------

@@ -19,7 +19,7 @@ import statistics
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
@@ -108,18 +108,24 @@ __all__ = ["HostTimer", "PlanRunner", "Timer", "budget_bytes"]
 # with the store's own waits taken out (HostTimer). On a GPU the host runs
 # ahead of the device in a real step, and the profiled step is not a real
 # step: it moves every save, waits on the link, and runs the recorder's
-# Python on every op, so the device idles between its kernels. A sync
-# around each op made small ops several times slower than in a real step
-# (a 99 ms H200 step predicted at 486 ms); events on the stream alone still
-# counted the idle gaps (a 58 ms step predicted at 317 ms). So on a GPU the
-# profile's clock is the device's busy time (BusyTimer): CUDA events around
-# each forward op (the recorder's spans) and around each backward node that
-# made a saved tensor (hooks on its grad_fn, the profiled step only), less
-# the store's fetch inside a node (resume()), summed. A mark is the number
-# of spans closed before it; the seconds are read once, when the profile
-# becomes a plan, and an op's time not yet known travels as a function that
-# reads it. What the step does outside forward and backward (the optimizer,
-# the loader) is the host's time after backward's last use.
+# Python on every op, so the device idles between kernels. A sync around
+# each op made small ops several times slower than in a real step (a 99 ms
+# H200 step predicted at 486 ms); events on the stream alone still counted
+# the idle gaps (a 58 ms step predicted at 317 ms). So a GPU profile's clock
+# is the device's own work (BusyTimer):
+#   * forward: CUDA events around each op the recorder runs, summed. Ops
+#     that launch nothing (views, allocations) are not timed: their span
+#     would be the host's time alone (an allocation that waited on the
+#     device took 340 ms of one profile). tierstore's own ops in its hooks
+#     (the copy off the device, a detach) are not the step's: the recorder
+#     is paused while the hooks run them (hooks._own_work).
+#   * backward: an event at each use, less the time the compute stream
+#     waited on copies back (an event pair around each wait, written down
+#     by Transfers.consume while the profiled step runs).
+# The seconds are read once, when the profile becomes a plan; an op's time
+# not yet known travels as a function that reads it. What the step does
+# outside forward and backward (the optimizer, the loader) is not seen on a
+# device: the first check rescales the prediction to the measured step.
 
 #: How far a prediction may be off before the plan is made again.
 REFIT_TOLERANCE = 0.10
@@ -141,20 +147,21 @@ def budget_bytes(budget: int | float, saved_bytes: int) -> int:
 class Timer(Protocol):
     """Marks on a step's timeline, read as seconds since it began (NOTE [ Timing a profile ])."""
 
-    def mark(self) -> object:
-        """Now, on the step's timeline."""
+    @property
+    def blocked(self) -> list[tuple[Any, Any]] | None:
+        """Where the compute stream's waits on copies back are written down (a device's)."""
+
+    def mark(self, backward: bool = False) -> object:
+        """Now, on the step's timeline (``backward``: a use in backward)."""
 
     def seconds(self, mark: object) -> float:
         """Seconds from the step's start to ``mark``."""
 
     def begin(self) -> Any:
-        """The start of a span of the step's own work (an op, a backward node)."""
+        """The start of a span of the step's own work (a forward op)."""
 
     def end(self) -> Any:
         """The end of the span under way."""
-
-    def resume(self) -> None:
-        """The span under way waited on the store until now: count it from here."""
 
     def elapsed(self, start: Any, end: Any) -> float:
         """Seconds between a span's start and end."""
@@ -170,11 +177,13 @@ class HostTimer:
         True
     """
 
+    blocked = None
+
     def __init__(self, waits: Callable[[], float]) -> None:
         self._waits = waits
         self._origin = time.perf_counter() - waits()
 
-    def mark(self) -> float:
+    def mark(self, backward: bool = False) -> float:
         """perf_counter less the waits so far."""
         return time.perf_counter() - self._waits()
 
@@ -190,9 +199,6 @@ class HostTimer:
 
     end = begin
 
-    def resume(self) -> None:
-        """Nothing: the store's waits are taken out of the marks already."""
-
     @staticmethod
     def elapsed(start: Any, end: Any) -> float:
         """``end - start``."""
@@ -200,7 +206,7 @@ class HostTimer:
 
 
 class BusyTimer:
-    """The device's busy time: event spans around the step's own work, summed.
+    """A profile's device time: forward's op spans summed, backward's marks less its waits.
 
     NOTE [ Timing a profile ]. ``event()`` records an event on the current
     stream (``torch.cuda.Event`` with ``enable_timing``, recorded; a test
@@ -222,61 +228,82 @@ class BusyTimer:
         >>> _ = timer.begin(); now[0] = 0.053; _ = timer.end()  # 3 ms
         >>> round(timer.seconds(timer.mark()), 6)
         0.005
+        >>> first = timer.mark(backward=True)                    # backward: 10 ms, a 4 ms wait
+        >>> timer.blocked.append((Event(0.055), Event(0.059))); now[0] = 0.063
+        >>> round(timer.seconds(timer.mark(backward=True)), 6)
+        0.011
     """
 
     def __init__(self, waits: Callable[[], float], event: Callable[[], Any]) -> None:
         self.host = HostTimer(waits)
         self.device = False
+        #: The compute stream's waits on copies back, as event pairs (Transfers.consume).
+        self.blocked: list[tuple[Any, Any]] = []
         self._event = event
         self._spans: list[tuple[Any, Any]] = []
-        self._open: Any = None
-        self._busy: list[float] | None = None  # seconds before each span, read once
+        self._open: tuple[Any, float] | None = None
+        self._backward: tuple[Any, int, int] | None = None  # backward's first mark
+        self._busy: list[float] | None = None  # forward seconds before each span, read once
+        self._waited: list[float] | None = None  # backward's waits before each, read once
 
     def begin(self) -> tuple[Any, float]:
-        """Open a span (closing one left open: a node inside a node, as in reentrant backward)."""
-        start = (self._event(), time.perf_counter())
-        if self._open is not None:
-            self._spans.append((self._open, start))
-        self._open = start
-        return start
+        """Open a forward op's span."""
+        self._open = self._event(), time.perf_counter()
+        return self._open
 
     def end(self) -> tuple[Any, float]:
-        """Close the span under way."""
-        end = (self._event(), time.perf_counter())
+        """Close the span under way: forward's compute."""
+        end = self._event(), time.perf_counter()
         if self._open is not None:
             self._spans.append((self._open, end))
             self._open = None
         return end
 
-    def resume(self) -> None:
-        """The span under way counts from now."""
-        if self._open is not None:
-            self._open = (self._event(), time.perf_counter())
-
-    def mark(self) -> tuple[int, float]:
-        """The spans closed so far, and the host's mark."""
-        return len(self._spans), self.host.mark()
+    def mark(self, backward: bool = False) -> tuple[int, Any, int, float]:
+        """Forward: the spans so far. Backward: an event now, and the waits so far."""
+        host = self.host.mark()
+        if not backward:
+            return len(self._spans), None, 0, host
+        event = self._event()
+        if self._backward is None:
+            self._backward = (event, len(self._spans), len(self.blocked))
+        return len(self._spans), event, len(self.blocked), host
 
     def seconds(self, mark: object) -> float:
-        """Busy seconds before ``mark`` (waits for its spans' events)."""
+        """Device seconds before ``mark`` (waits for its events)."""
         assert isinstance(mark, tuple)
-        spans, host = mark
+        spans, event, blocked, host = mark
         if not self.device:
             return self.host.seconds(host)
-        if self._busy is None:
-            busy, total = [0.0], 0.0
-            for start, end in self._spans:
-                total += self.elapsed(start, end)
-                busy.append(total)
-            self._busy = busy
-        return self._busy[spans]
+        if self._busy is None or len(self._busy) <= len(self._spans):  # read once, at the end
+            self._busy = _prefix(self.elapsed(a, b) for a, b in self._spans)
+        if self._waited is None or len(self._waited) <= len(self.blocked):
+            self._waited = _prefix(self._seconds(a, b) for a, b in self.blocked)
+        if event is None or self._backward is None:
+            return self._busy[spans]
+        assert self._waited is not None
+        origin, origin_spans, origin_blocked = self._backward
+        waited = self._waited[blocked] - self._waited[origin_blocked]
+        return self._busy[origin_spans] + max(0.0, self._seconds(origin, event) - waited)
 
     def elapsed(self, start: Any, end: Any) -> float:
         """A span's seconds: the events' on the device, else the host's."""
         if not self.device:
             return float(end[1] - start[1])
-        end[0].synchronize()
-        return max(0.0, float(start[0].elapsed_time(end[0])) / 1e3)
+        return self._seconds(start[0], end[0])
+
+    @staticmethod
+    def _seconds(start: Any, end: Any) -> float:
+        end.synchronize()
+        return max(0.0, float(start.elapsed_time(end)) / 1e3)
+
+
+def _prefix(values: Iterable[float]) -> list[float]:
+    out, total = [0.0], 0.0
+    for value in values:
+        total += value
+        out.append(total)
+    return out
 
 
 #: A row's rebuild time: seconds, a function that reads them (event-timed), or None.
@@ -319,7 +346,6 @@ class _Step:
     device_read: tuple[int, float] = (0, 0.0)
     io_cpu: float = 0.0  # the I/O threads' CPU seconds when the step began
     cuda: bool = False  # a save was a CUDA tensor
-    last_use_host: float = 0.0  # perf_counter at backward's latest use (a profiled step)
     kept_used: int = 0  # bytes of plan-kept saves backward has used (NOTE [ Saves that stay ])
 
 
@@ -626,11 +652,10 @@ class PlanRunner:
                 return True
             return False
         assert step.timer is not None
-        now = step.timer.mark()
+        now = step.timer.mark(backward=True)
         if step.backward_at is None:
             step.backward_at = now
         step.last_use = now
-        step.last_use_host = time.perf_counter()
         row = step.row_of_key.get(key)
         if row is not None and step.rows[row].used_at is None:
             step.rows[row].used_at = now
@@ -713,9 +738,7 @@ class PlanRunner:
         seconds = step.timer.seconds  # NOTE [ Timing a profile ]: read once, here
         busy = isinstance(step.timer, BusyTimer) and step.timer.device
         forward = seconds(step.backward_at)
-        # On the device, every span closed: the nodes after the last use too.
-        last = step.timer.mark() if busy else step.last_use
-        backward = max(seconds(last) - forward, 1e-9)
+        backward = max(seconds(step.last_use) - forward, 1e-9)
         self._expected = tuple(r.nbytes for r in rows)
         self._checks.pop(self._expected, None)  # a new profile: its plan is checked afresh
         self._unseen = None
@@ -759,12 +782,9 @@ class PlanRunner:
             saves=saves,
             forward_s=forward,
             backward_s=backward,
-            other_s=max(
-                0.0,
-                total - (step.last_use_host - step.started)
-                if busy
-                else total - waits - forward - backward,
-            ),
+            # A device's profile sees only forward and backward: what the step
+            # does around them is left to the first check (NOTE [ Timing a profile ]).
+            other_s=0.0 if busy else max(0.0, total - waits - forward - backward),
             write_bytes_per_s=write or 1e9,
             read_bytes_per_s=read or write or 1e9,
             window_bytes=int(self._config.prefetch_bytes),

@@ -241,7 +241,7 @@ class ReadAhead:
             copy = self._transfers.device_copy(span, entry.device, entry.ready)
         self.arrived(entry, ahead=ahead is not None, landed=Transfers.done(copy.ready), first=first)
         # Remembered first, so that the top-up does not copy this entry again.
-        out = codec.from_span(Transfers.consume(copy), layout)
+        out = codec.from_span(self._transfers.consume(copy), layout)
         out = entry.remember(self.hold(out, entry.nbytes))
         self._top_up_after(first)
         return out
@@ -263,7 +263,7 @@ class ReadAhead:
                 return cached
             assert in_memory is not None
             copy = self._transfers.device_copy(in_memory, entry.device, entry.ready)
-            return self._restore(entry, Transfers.consume(copy))
+            return self._restore(entry, self._transfers.consume(copy))
         if ahead is not None:
             assert not isinstance(ahead, DeviceCopy)
             future = ahead
@@ -353,7 +353,7 @@ class ReadAhead:
                 self.unpack_wait_s += waited
                 self._demand.pop(entry.key, None)
         copy = self._transfers.device_copy(span, entry.device)
-        return self._restore(entry, Transfers.consume(copy))
+        return self._restore(entry, self._transfers.consume(copy))
 
     def _restore(self, entry: Entry, span: torch.Tensor) -> torch.Tensor:
         assert self._transfers is not None and entry.layout is not None

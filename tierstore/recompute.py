@@ -220,6 +220,18 @@ def _unflatten(leaves: list[Any], spec: _Spec) -> tuple[tuple[Any, ...], dict[st
 _Ref = tuple[str, Any, Any, int]
 
 
+#: Ops that allocate and launch nothing: a profile does not time them.
+_ALLOCATIONS = frozenset(
+    {
+        torch.ops.aten.empty,
+        torch.ops.aten.empty_like,
+        torch.ops.aten.empty_strided,
+        torch.ops.aten.new_empty,
+        torch.ops.aten.new_empty_strided,
+    }
+)
+
+
 class _Origin:
     """One recorded op: what made a tensor, with its tensor arguments resolved."""
 
@@ -604,6 +616,9 @@ class Recorder(TorchDispatchMode):
         self._is_kept = is_kept
         self._max_depth = max_depth
         self._timer = timer  # a profile's Timer (plans.py): each op is a span of it
+        # Above 0 while tierstore's own hooks run ops (a copy off the device, a
+        # detach): they are neither recorded nor timed as the step's compute.
+        self.paused = 0
         self._ctx = SelectiveCheckpointContext(is_recompute=False)
         # storage -> {view key: (version, ...)}; weak on the storage, so an
         # entry dies with its memory and a reused address never matches.
@@ -621,6 +636,8 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         if self._timer is not None:
             return self._timed_call(func, args, kwargs)
         out = func(*args, **kwargs)
@@ -642,12 +659,20 @@ class Recorder(TorchDispatchMode):
         would make the op look slower than it is.
         """
         timer = self._timer
-        start = timer.begin()
-        out = func(*args, **kwargs)
-        end = timer.end()
-        cost: float | Callable[[], float] = (
-            end - start if type(start) is float else functools.partial(timer.elapsed, start, end)
-        )
+        cost: float | Callable[[], float] = 0.0
+        if func.is_view or func._overloadpacket in _ALLOCATIONS:
+            # No kernel: on a device its span would time only the host (an
+            # allocation that waited on the device took 340 ms of a profile).
+            out = func(*args, **kwargs)
+        else:
+            start = timer.begin()
+            out = func(*args, **kwargs)
+            end = timer.end()
+            cost = (
+                end - start
+                if type(start) is float
+                else functools.partial(timer.elapsed, start, end)
+            )
         if (
             torch.is_grad_enabled()
             and not torch.compiler.is_compiling()

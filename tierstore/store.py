@@ -446,6 +446,9 @@ class TierManager:
             self._writes.raise_failure()
             entry = self._entries[handle.key]
             self._check_version(entry, handle)
+            if self.plans is not None:  # NOTE [ Timing a profile ] in plans.py
+                timer = self.plans.timer
+                self._transfers.blocked = timer.blocked if timer is not None else None
             first = not self._schedule.unpacking
             self._schedule.unpacked(entry.key)
             if first and self.plans is not None:  # NOTE [ Planned steps ]

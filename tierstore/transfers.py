@@ -161,6 +161,8 @@ class Transfers:
         self.d2h_clock = LinkClock()
         self.h2d_clock = LinkClock()
         self._timed: deque[tuple[LinkClock, Any, Any, int]] = deque()  # copies not yet counted
+        #: A profiled step's list for the compute stream's waits on copies back, else None.
+        self.blocked: list[tuple[Any, Any]] | None = None
         self.heap_releases = 0
         self._let_go_bytes = 0  # since the heap was last handed back
         leave_to_parent(self)
@@ -437,16 +439,23 @@ class Transfers:
         self._timed.append((self.h2d_clock, began, ready, span.numel() * span.element_size()))
         return DeviceCopy(out, ready, consumer)
 
-    @staticmethod
-    def consume(copy: DeviceCopy) -> torch.Tensor:
+    def consume(self, copy: DeviceCopy) -> torch.Tensor:
         """The copied tensor, usable on the current stream (which waits for the copy).
 
         Its memory is the stream's it was allocated on; a use on another
-        stream is recorded on it (NOTE [ Copies on CUDA ]).
+        stream is recorded on it (NOTE [ Copies on CUDA ]). While a profile
+        runs, the wait is timed into :attr:`blocked` (NOTE [ Timing a
+        profile ] in plans.py).
         """
         if copy.ready is not None:
             consumer = torch.cuda.current_stream(copy.tensor.device)  # at call time
-            consumer.wait_event(copy.ready)
+            blocked = self.blocked
+            if blocked is None:
+                consumer.wait_event(copy.ready)
+            else:
+                began = self._began(consumer)
+                consumer.wait_event(copy.ready)
+                blocked.append((began, self._began(consumer)))
             if consumer != copy.stream:
                 copy.tensor.record_stream(consumer)
         return copy.tensor
