@@ -702,6 +702,9 @@ class _FakeEvent:
     def synchronize(self) -> None:
         self.clock.read = True
 
+    def query(self) -> bool:
+        return self.clock.idle
+
     def elapsed_time(self, end: _FakeEvent) -> float:
         return (end.t - self.t) * 1e3
 
@@ -712,6 +715,7 @@ class _FakeDevice:
     def __init__(self) -> None:
         self.now = 0.0
         self.read = False
+        self.idle = True  # what a query of its events says: the stream ran dry
 
     def event(self) -> _FakeEvent:
         return _FakeEvent(self)
@@ -969,3 +973,30 @@ def test_a_device_profile_plans_on_its_timed_copies_not_the_disks_rate() -> None
     assert plan is not None
     assert plan.profile.write_bytes_per_s == pytest.approx(50e9)
     assert plan.profile.read_bytes_per_s == pytest.approx(40e9)
+
+
+def test_a_device_profile_keeps_a_dry_stream_busy_before_an_op() -> None:
+    # NOTE [ Timing a profile ]: where the stream has run dry, the op's start
+    # event would wait for nothing and its span would time the host's launch;
+    # a spin goes first. Where the stream is still busy, nothing is added.
+    device = _FakeDevice()
+    spins: list[float] = []
+
+    class Events:
+        def __call__(self) -> _FakeEvent:
+            return device.event()
+
+        @staticmethod
+        def keep_busy() -> None:
+            spins.append(device.now)
+
+    timer = plans.BusyTimer(lambda: 0.0, Events())
+    timer.begin()  # nothing queued yet: a spin
+    timer.end()
+    device.idle = False
+    timer.begin()  # the last op still runs: none
+    timer.end()
+    device.idle = True
+    timer.begin()  # it ran dry: a spin
+    timer.end()
+    assert len(spins) == 2 and len(timer._spans) == 3

@@ -521,11 +521,38 @@ class Transfers:
                 pool.close()
 
 
-def cuda_events() -> Callable[[], torch.cuda.Event] | None:
-    """A factory of timing events recorded on the current stream, when CUDA is in use.
+#: Cycles of the spin that keeps a profiled stream busy: about half a millisecond
+#: at an H200's clock, longer than the host takes to launch one op (about 0.1 ms
+#: through the recorder, measured on one).
+KEEP_BUSY_CYCLES = 1_000_000
 
-    A profile's :class:`~tierstore.plans.BusyTimer` takes it (NOTE [ Timing a
-    profile ] in plans.py); ``None`` where CUDA is not initialised.
+
+class CudaEvents:
+    """Timing events on the current stream, and a spin that keeps it busy.
+
+    A profile's :class:`~tierstore.plans.BusyTimer` calls it for each event
+    and, before an op, :meth:`keep_busy` when the stream has run dry (NOTE
+    [ Timing a profile ] in plans.py): the op's start event then waits behind
+    the spin while the host launches the op, so its span is the op's kernels
+    alone, not the host's launch.
+    """
+
+    def __call__(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def keep_busy() -> None:
+        """Queue a spin on the current stream."""
+        torch.cuda._sleep(KEEP_BUSY_CYCLES)
+
+
+_CUDA_EVENTS = CudaEvents()
+
+
+def cuda_events() -> CudaEvents | None:
+    """The device's timing events when CUDA is in use, else ``None``.
 
     Example:
         >>> import torch
@@ -533,10 +560,4 @@ def cuda_events() -> Callable[[], torch.cuda.Event] | None:
         >>> (cuda_events() is None) == (not torch.cuda.is_initialized())
         True
     """
-    return _recorded_event if torch.cuda.is_initialized() else None
-
-
-def _recorded_event() -> torch.cuda.Event:
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
+    return _CUDA_EVENTS if torch.cuda.is_initialized() else None
