@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from tierstore import planner
 from tierstore.planner import (
     _CHOICES,
     ONE_AT_A_TIME,
@@ -571,3 +572,24 @@ def test_a_full_window_still_has_the_next_read_in_flight() -> None:
     sync = simulate(dataclasses.replace(profile, shared_link=True), ("offload", "offload"), 0)
     assert sync.peak_bytes == 100
     assert sync.exposed_s == (pytest.approx(0.1 + 1e-7), pytest.approx(0.1 + 1e-7))
+
+
+def test_a_budget_everything_fits_is_planned_without_a_search(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Nothing is faster than keeping every save: the first plan of a shape,
+    # made on the training thread, costs one simulation per template then.
+    profile = _chain(8)
+    everything = simulate(profile, ("keep",) * 8, profile.window_bytes).peak_bytes
+
+    def searched(*args: object) -> object:
+        raise AssertionError("searched a plan for a budget everything fits")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(planner, "_plan_for_window", searched)
+        plan = make_plan(profile, everything)
+    assert plan.choices == ("keep",) * 8 and plan.predicted_peak_bytes == everything
+    # The floor was not searched: a bound, said so in the table.
+    assert plan.floor_unsearched and make_plan(profile, 0).floor_bytes <= plan.floor_bytes
+    assert "floor at most" in str(plan) and "floor at most" not in str(make_plan(profile, 0))
+    assert make_plan(profile, everything - 1).choices != plan.choices

@@ -191,6 +191,9 @@ class Plan:
     measured_step_s: float | None = None
     measured_peak_bytes: int | None = None
     steps: int = field(default=0)
+    #: The floor was not searched for (everything fits): ``floor_bytes`` is a
+    #: bound, the lowest of the plans that free everything.
+    floor_unsearched: bool = False
 
     @property
     def fits(self) -> bool:
@@ -227,9 +230,10 @@ class Plan:
                 f"{_size(rebuilt):>10}  {exposed * 1e3:>7.1f}ms"
             )
         profile = self.profile
+        floor = ("at most " if self.floor_unsearched else "") + _size(self.floor_bytes)
         lines.append(
             f"budget {_size(self.budget_bytes)}, window {_window(self.window_bytes)}, "
-            f"floor {_size(self.floor_bytes)}; link out {_rate(profile.write_bytes_per_s)}, "
+            f"floor {floor}; link out {_rate(profile.write_bytes_per_s)}, "
             f"back {_rate(profile.read_bytes_per_s)}"
         )
         measured_step = "-" if self.measured_step_s is None else f"{self.measured_step_s:.4g} s"
@@ -673,8 +677,25 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
         >>> plan.fits, plan.floor_bytes
         (False, 1000)
     """
-    tried: list[tuple[list[Choice], Outcome, int]] = []
     starts = [_all(profile, "keep"), *_lowest_templates(profile)]
+    window = profile.window_bytes
+    kept = simulate(profile, starts[0], window)
+    if kept.peak_bytes <= budget_bytes:
+        # Everything fits: nothing is faster than keeping it, so no search.
+        # The floor is the lowest of the templates, not searched for.
+        floor = min(simulate(profile, c, window).peak_bytes for c in starts)
+        return Plan(
+            profile=profile,
+            choices=starts[0],
+            budget_bytes=budget_bytes,
+            window_bytes=window,
+            predicted_step_s=kept.step_s,
+            predicted_peak_bytes=kept.peak_bytes,
+            floor_bytes=floor,
+            exposed_s=kept.exposed_s,
+            floor_unsearched=True,
+        )
+    tried: list[tuple[list[Choice], Outcome, int]] = []
     fits = False
     # The last resorts, for budgets that no larger window meets; forward
     # waits for a write only on a disk's link (NOTE [ Planning ]).
