@@ -63,7 +63,13 @@ FORWARD_BLOCK_S = 1.25e-3
 STEP_S = 71e-3
 
 
-def _h100_profile() -> Profile:
+def _h100_profile(
+    unit: int = UNIT,
+    forward_block_s: float = FORWARD_BLOCK_S,
+    step_s: float = STEP_S,
+    read_bytes_per_s: float = 52e9,
+) -> Profile:
+    """The H100 step (NOTE [ The H100 step ]); the arguments make the H200's."""
     mm = {
         "x": 2 * 8192 * 8192 * 2048 / TFLOPS,  # fc2: 4d to d
         "qkv": 2 * 8192 * 2048 * 6144 / TFLOPS,
@@ -83,9 +89,9 @@ def _h100_profile() -> Profile:
         "gelu": "aten.gelu",
     }
     # Forward time of each save's op: its FLOPs' share of the block's 1.25 ms.
-    share = {n: mm.get(n, 2 * units[n] * UNIT / HBM) for n in units}
-    scale = FORWARD_BLOCK_S / sum(share.values())
-    forward = FORWARD_BLOCK_S * BLOCKS
+    share = {n: mm.get(n, 2 * units[n] * unit / HBM) for n in units}
+    scale = forward_block_s / sum(share.values())
+    forward = forward_block_s * BLOCKS
     head_forward = 0.8e-3
     backward = 2 * (forward + head_forward)
     saves: list[Save] = []
@@ -107,24 +113,24 @@ def _h100_profile() -> Profile:
             }[name]
             saves.append(
                 Save(
-                    nbytes=size * UNIT,
+                    nbytes=size * unit,
                     op=ops[name],
                     module=f"blocks.{b}",
                     forward_s=t,
                     use_s=backward - 2 * t - 2 * head_forward,
-                    rebuild_s=share[name] * scale if b or name != "x" else 2 * UNIT / HBM,
+                    rebuild_s=share[name] * scale if b or name != "x" else 2 * unit / HBM,
                     inputs=inputs,
                 )
             )
     t += head_forward
-    saves.append(Save(UNIT, "aten.native_layer_norm", "head", t, 0.0, None, ()))
+    saves.append(Save(unit, "aten.native_layer_norm", "head", t, 0.0, None, ()))
     return Profile(
         saves=tuple(saves),
         forward_s=t,
         backward_s=backward,
-        other_s=STEP_S - t - backward,
+        other_s=step_s - t - backward,
         write_bytes_per_s=55e9,
-        read_bytes_per_s=52e9,
+        read_bytes_per_s=read_bytes_per_s,
         window_bytes=256 * MIB,
     )
 
@@ -593,3 +599,58 @@ def test_a_budget_everything_fits_is_planned_without_a_search(
     assert plan.floor_unsearched and make_plan(profile, 0).floor_bytes <= plan.floor_bytes
     assert "floor at most" in str(plan) and "floor at most" not in str(make_plan(profile, 0))
     assert make_plan(profile, everything - 1).choices != plan.choices
+
+
+# NOTE [ The H200 step ]
+# Issue 33's step: the same GPT on one H200, 68 ms without offload; each
+# block saves about 0.53 GiB in about 1.6 ms of forward, backward takes about
+# twice forward, PCIe moves 55 GB/s each way. BASE is calibrated as the H100's
+# is: checkpointing every block at 0.37x of no offload's memory, as measured.
+H200_UNIT = int(0.53 * GIB / 16)
+H200_STEP_S = 68e-3
+
+
+def _h200() -> tuple[Profile, int, int]:
+    """The H200 step's profile, BASE and no offload's memory."""
+    profile = _h100_profile(H200_UNIT, 1.6e-3, H200_STEP_S, 55e9)
+    every = simulate(profile, _checkpoint_first(profile, BLOCKS), profile.window_bytes)
+    saved = sum(s.nbytes for s in profile.saves)
+    base = int((every.peak_bytes - 0.37 * saved) / (1 - 0.37))
+    return profile, base, base + saved
+
+
+@pytest.mark.parametrize(
+    ("memory", "target", "checkpointed"),
+    [(0.84, 1.02, 1.07), (0.68, 1.05, 1.12), (0.52, 1.10, 1.16), (0.37, 1.15, 1.21)],
+)
+def test_h200_beats_checkpointing_at_every_memory_level(
+    memory: float, target: float, checkpointed: float
+) -> None:
+    # Issue 33's targets, each below checkpointing the first N blocks at that
+    # memory as measured on the H200 (``checkpointed``).
+    profile, base, none_bytes = _h200()
+    plan = make_plan(profile, int(memory * none_bytes - base))
+    assert plan.fits
+    assert plan.predicted_step_s / H200_STEP_S <= target < checkpointed
+
+
+@pytest.mark.parametrize("memory", [0.84, 0.68, 0.52, 0.37])
+def test_h200_offloads_only_what_the_link_hides(memory: float) -> None:
+    # The bytes offloaded from each block on are bounded by the link times
+    # the forward compute left after the block starts, plus the window that
+    # forward may leave going (it lands early in backward, counted resident).
+    # Neither the last block nor a later block offloading more than an
+    # earlier one is ruled out: the simulation finds them hidden (the last
+    # block's input, one activation of 35 MB, goes out behind 2.4 ms of
+    # forward, 130 MB of link), and keeping them would cost the budget room.
+    profile, base, none_bytes = _h200()
+    plan = make_plan(profile, int(memory * none_bytes - base))
+    by_block = [0] * BLOCKS
+    for save, choice in zip(profile.saves, plan.choices, strict=True):
+        if choice == "offload" and save.module.startswith("blocks."):
+            by_block[int(save.module.split(".")[1])] += save.nbytes
+    rate, window = profile.write_bytes_per_s, profile.window_bytes
+    assert sum(by_block) <= rate * profile.forward_s + window
+    for b in range(BLOCKS):
+        after = profile.forward_s - profile.saves[8 * b].forward_s  # forward left after the block
+        assert sum(by_block[b:]) <= rate * after + window
