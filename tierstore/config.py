@@ -314,8 +314,8 @@ class TierConfig(BaseSettings):
     write_queue_bytes: Size = Field(
         default=ByteSize(256 << 20),
         description="At most this many bytes queued behind forward: disk writes (sized by "
-        "need below it; past it pack waits) and, on CUDA, D2H copies (past it a save stays "
-        "on the device until they land; pack never waits for them).",
+        "need below it; past it pack waits) and, on CUDA, D2H copies (past it a save waits "
+        "for the oldest copy; with activation_budget it stays on the device instead).",
     )
     io_workers: Count = Field(
         default=4, ge=1, le=64, description="Disk reads and writes in flight at once."
