@@ -228,9 +228,11 @@ def test_configs_that_are_not_configs() -> None:
         (None, None),
         ("none", None),
         (0, 0),
+        (0.0, 0),  # 0 bytes, written either way
+        ("0%", 0),
         ("6GiB", 6 << 30),
-        (1000, 1000),
-        ("1000", 1000),
+        (4096, 4096),  # a bare whole number from 4 KiB up: bytes (NOTE [ Bytes or a fraction ])
+        ("1000B", 1000),
         (0.3, 0.3),
         ("0.3", 0.3),
         ("30%", 0.3),

@@ -217,13 +217,15 @@ OTHER_CASES = [
     ),
     Bad("activation_budget", "range", -1, "a budget cannot be negative", "-1", "-1"),
     Bad("activation_budget", "range", -0.5, "a budget cannot be negative", "-0.5", "-0.5"),
-    Bad(
+    Bad(  # NOTE [ Bytes or a fraction ]: 1 is not 100%
         "activation_budget",
         "range",
-        0.0,
-        "a fraction must be above 0 (got 0.0); 0 bytes is written 0",
-        "0.0",
-        "0.0",
+        1,
+        "1 would be 1 byte, which no step fits in: write a fraction of the step's saved bytes "
+        "with a decimal point or a percent sign (1.0 or '100%' is all of it), and bytes with "
+        "a unit ('1B', '6GiB')",
+        "1",
+        "1",
     ),
     *(
         Bad(

@@ -369,7 +369,7 @@ def test_keep_regions_stay_and_count_in_every_peak(
 def test_a_budget_below_the_floor_warns_once_with_the_floor(
     budget_store: Callable[..., tierstore.TierStore],
 ) -> None:
-    store = budget_store(1)  # one byte
+    store = budget_store("1B")  # one byte (a bare 1 is refused: NOTE [ Bytes or a fraction ])
     model = _model()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -397,7 +397,7 @@ def test_below_one_copy_at_a_time_each_save_waits_for_its_write(
 ) -> None:
     # NOTE [ Planning ]: the lowest a step can go from a disk is SYNCHRONOUS,
     # where only the read backward is using is resident: the largest save.
-    store = budget_store(1)
+    store = budget_store("1B")
     model = _model()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tierstore.TierstoreWarning)  # the floor: tested above

@@ -141,6 +141,15 @@ _BUDGET_FORM = (
 )
 
 
+# NOTE [ Bytes or a fraction ]
+# activation_budget takes bytes or a fraction of the step's saved bytes, and
+# 1 and 1.0 would mean 1 byte and all of it. A bare whole number (an int, or
+# digits with no unit) below 4 KiB is refused, with both readings in the
+# message: no step fits in that many bytes, so it is the fraction mistyped.
+# 0 stays 0 bytes (as 0.0 is: the same thing), and '1B' is 1 byte.
+_LEAST_BARE_BUDGET = 4096
+
+
 def _budget_input(value: Any) -> Any:
     """``activation_budget``: ``None``, bytes (an int or a size) or a fraction in (0, 1]."""
     if value is None:
@@ -154,11 +163,25 @@ def _budget_input(value: Any) -> Any:
                 percent = Decimal(text[:-1].strip())
             except ArithmeticError:
                 raise ValueError(f"{text!r} is not a percentage") from None
-            return _fraction(float(percent / 100), text)
+            fraction = float(percent / 100)
+            return 0 if fraction == 0 else _fraction(fraction, text)
         if re.fullmatch(r"[-+]?(\d+\.\d*|\.\d+)", text):
-            return _fraction(float(text), text)
+            return 0 if float(text) == 0 else _fraction(float(text), text)
     elif isinstance(value, float):
-        return _fraction(value, repr(value))
+        return 0 if value == 0 else _fraction(value, repr(value))
+    bare = value.strip() if isinstance(value, str) else value
+    if (isinstance(bare, int) and not isinstance(bare, bool)) or (
+        isinstance(bare, str) and re.fullmatch(r"\+?\d+", bare)
+    ):
+        n = int(bare)
+        if 0 < n < _LEAST_BARE_BUDGET:
+            # NOTE [ Bytes or a fraction ]
+            raise ValueError(
+                f"{n} would be {n} byte{'s' if n > 1 else ''}, which no step fits in: "
+                "write a fraction of the step's saved bytes with a decimal point or a "
+                f"percent sign (1.0 or '100%' is all of it), and bytes with a unit ('{n}B', "
+                "'6GiB')"
+            )
     try:
         return _size_input(value)
     except ValueError as exc:
@@ -170,8 +193,6 @@ def _fraction(value: float, shown: str) -> float:
         raise ValueError(f"{shown} is not a number")
     if value < 0:
         raise ValueError("a budget cannot be negative")
-    if value == 0:
-        raise ValueError(f"a fraction must be above 0 (got {shown}); 0 bytes is written 0")
     if value > 1:
         raise ValueError(
             f"a fraction cannot be above 1 (got {shown}); give bytes as a size such as '6GiB'"
@@ -337,7 +358,8 @@ class TierConfig(BaseSettings):
         default=None,
         description="Saved activations that may stay in the memory of the device that made "
         "them, tierstore's in-flight buffers included: a size, or a fraction of what the "
-        "step saves (0.3, '30%'). tierstore profiles a step and plans keep / offload / "
+        "step saves (0.3, '30%'; all of it is 1.0, and a bare whole number below 4 KiB is "
+        "refused: 1 would be one byte). tierstore profiles a step and plans keep / offload / "
         "rebuild per saved tensor for the fastest step within it (NOTE [ Planning ] in "
         "tierstore/planner.py). None: placement by the budgets above.",
     )
