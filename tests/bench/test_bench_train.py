@@ -553,10 +553,29 @@ def test_sweep_runs_checkpointing_of_each_prefix_and_the_budgets() -> None:
     )
 
 
-@pytest.mark.parametrize("name", ["budget=words", "budget=1.5", "checkpoint-x", "checkpoint-"])
-def test_a_bad_budget_or_prefix_row_is_named(name: str) -> None:
+@pytest.mark.parametrize("name", ["checkpoint-x", "checkpoint-"])
+def test_a_bad_prefix_row_is_named(name: str) -> None:
     with pytest.raises(TierstoreError, match=f"strategy '{re.escape(name)}' is unknown"):
         train.bench_train(train.quick_settings(strategies=("none", name)), show_progress=False)
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("1.5", "a fraction cannot be above 1 (got 1.5); give bytes as a size such as '6GiB'"),
+        ("words", "not a number followed by a unit"),
+        ("1", "1 would be 1 byte, which no step fits in"),
+    ],
+)
+def test_a_bad_budget_row_says_what_is_wrong_with_the_value(value: str, why: str) -> None:
+    # Issue 34, item 7: as TierConfig says it, not "unknown strategy".
+    with pytest.raises(TierstoreError) as caught:
+        _run(["--quick", "--quiet", "--strategies", "none", "--budget", value])
+    message = str(caught.value)
+    assert message.startswith(
+        f"tierstore: bench train: strategy 'budget={value}': activation_budget="
+    )
+    assert why in message and "is unknown" not in message
 
 
 def test_budget_and_prefix_rows_match_none_bitwise_and_report_the_plan(tmp_path: Path) -> None:

@@ -698,8 +698,10 @@ def _known(name: str) -> bool:
     if name.startswith(BUDGET):
         try:
             TierConfig(activation_budget=_budget_value(name.removeprefix(BUDGET)))
-        except TierstoreError:
-            return False
+        except TierstoreError as exc:  # what is wrong with the value, as TierConfig says it
+            raise TierstoreError(
+                f"tierstore: bench train: strategy {name!r}: {str(exc).removeprefix('tierstore: ')}"
+            ) from None
         return True
     return False
 
