@@ -725,3 +725,18 @@ def test_budget_targets_are_issue_21s() -> None:
     )
     # On CUDA, the gradients only.
     assert {t["check"] for t in train._targets(rows[3:], True)} == {"max |grad diff| vs none"}
+
+
+def test_help_lists_every_strategy_form_and_never_splits_a_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Issue 34, item 12: argparse broke "disk-naive" at its hyphen.
+    from tierstore.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "train", "--help"])
+    out = capsys.readouterr().out
+    words = set(out.replace(",", " ").split())
+    for name in (*train.STRATEGIES, "checkpoint-N", "budget=F", "+recompute"):
+        assert name in out
+    assert not [w for w in words if w.endswith("-") and w != "-"]

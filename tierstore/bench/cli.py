@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import textwrap
 from typing import Any
 
 from tierstore.bench import overhead, recording, soak, storage, train
@@ -78,6 +79,13 @@ def _plain(match: re.Match[str]) -> str:
     return target.rsplit(".", 1)[-1] if short else target
 
 
+class _Help(argparse.HelpFormatter):
+    """Help text wrapped at spaces only: a name such as ``disk-naive`` is never split."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
     """Add ``bench`` with its ``storage``, ``train``, ``soak`` and ``recording`` subcommands.
 
@@ -103,6 +111,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
         dest="bench_command", required=True, metavar="{" + ",".join(_COMMANDS) + "}"
     )
     for name, (module, help_) in _COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=summary(module.__doc__))
+        p = sub.add_parser(
+            name, help=help_, description=summary(module.__doc__), formatter_class=_Help
+        )
         module.add_arguments(p)
         p.set_defaults(run=module.run)

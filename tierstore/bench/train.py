@@ -1861,7 +1861,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     full = TrainSettings()
     parser.add_argument(
-        "--quick", action="store_true", help="a tiny model that runs in seconds (demo, tests)"
+        "--quick",
+        action="store_true",
+        help="a tiny model: about 30 s on two cores, most of it starting a fresh process "
+        "per strategy (--in-process: about 10 s)",
     )
     add_model_arguments(parser, full)
     parser.add_argument("--steps", type=int, default=full.steps, help="measured steps (default 4)")
@@ -1869,8 +1872,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strategies",
         default="",
-        help=f"comma-separated, from {','.join(STRATEGIES)} (default on cpu: "
-        f"{','.join(CPU_STRATEGIES)}; on cuda: {','.join(CUDA_STRATEGIES)})",
+        help=f"comma-separated, from {', '.join(STRATEGIES)}, checkpoint-N (the first N "
+        f"blocks), budget=F (activation_budget=F; or --budget), and the tierstore ones "
+        f"followed by {RECOMPUTE_SUFFIX} (default on cpu: {', '.join(CPU_STRATEGIES)}; "
+        f"on cuda: {', '.join(CUDA_STRATEGIES)})",
     )
     parser.add_argument(
         "--dir", default=None, help="where disk strategies write (default: the system temp dir)"
