@@ -472,6 +472,9 @@ def test_the_table() -> None:
         "m.1            0 B     1.0 MiB         0 B      0.1ms",
         "budget 0 B, window none (synchronous), floor 1.0 MiB; link out 20 GB/s, back 20 GB/s",
         "step: predicted 0.06021 s, measured 0.0612 s; peak: predicted 1.0 MiB, measured 1.0 MiB",
+        "(kept / offloaded / rebuilt: the bytes each module saves, by the plan's choice; "
+        "exposed: the step time the plan charges to them, link waits and rebuild compute; "
+        "window: copies in flight each way; floor: the lowest peak the step can reach)",
     ]
 
 

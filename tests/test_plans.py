@@ -141,7 +141,8 @@ def test_the_plan_arrives_at_the_third_step_and_explains_itself(
     table = str(plan).splitlines()
     assert table[0].split() == ["module", "kept", "offloaded", "rebuilt", "exposed"]
     assert {"GPT.blocks.0", "GPT.blocks.1", "GPT.blocks.2"} <= {r.split()[0] for r in table[1:]}
-    assert table[-1].startswith("step: predicted ")
+    assert table[-2].startswith("step: predicted ")
+    assert table[-1].startswith("(kept / offloaded / rebuilt: ")  # what the columns mean
     by = plan.bytes_by_choice()
     assert sum(by.values()) == plan.profile.saved_bytes - plan.profile.fixed_bytes
 

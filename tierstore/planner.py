@@ -242,7 +242,16 @@ class Plan:
             f"step: predicted {self.predicted_step_s:.4g} s, measured {measured_step}; "
             f"peak: predicted {_size(self.predicted_peak_bytes)}, measured {measured_peak}"
         )
+        lines.append(_TABLE_HELP)
         return "\n".join(lines)
+
+
+#: The last line of a plan's table: what its columns mean.
+_TABLE_HELP = (
+    "(kept / offloaded / rebuilt: the bytes each module saves, by the plan's choice; exposed: "
+    "the step time the plan charges to them, link waits and rebuild compute; window: copies "
+    "in flight each way; floor: the lowest peak the step can reach)"
+)
 
 
 def _window(n: int) -> str:
