@@ -722,13 +722,9 @@ class _FakeDevice:
         return _FakeEvent(self)
 
 
-def test_a_profile_on_a_device_counts_its_busy_time_not_the_idle_or_the_host() -> None:
-    # NOTE [ Timing a profile ]: the profiled step idles the device (it moves
-    # every save and runs the recorder's Python); forward's time is its ops'
-    # spans summed, backward's its marks less the waits on copies back, all
-    # read only when the plan is made.
-    device = _FakeDevice()
-    runner = PlanRunner(
+def _on_device(device: _FakeDevice) -> PlanRunner:
+    """A runner at activation_budget=0.5 whose profiles are timed on ``device``."""
+    return PlanRunner(
         tierstore.TierConfig(activation_budget=0.5),
         LinkClock(),
         LinkClock(),
@@ -736,6 +732,15 @@ def test_a_profile_on_a_device_counts_its_busy_time_not_the_idle_or_the_host() -
         events=lambda: device.event,
         background=False,
     )
+
+
+def test_a_profile_on_a_device_counts_its_busy_time_not_the_idle_or_the_host() -> None:
+    # NOTE [ Timing a profile ]: the profiled step idles the device (it moves
+    # every save and runs the recorder's Python); forward's time is its ops'
+    # spans summed, backward's its marks less the waits on copies back, all
+    # read only when the plan is made.
+    device = _FakeDevice()
+    runner = _on_device(device)
     costs: list[Callable[[], float]] = []
     for _ in range(2):  # warm-up, then the profile
         timer = runner.profile_timer()
@@ -775,14 +780,7 @@ def test_a_profile_on_a_device_counts_its_busy_time_not_the_idle_or_the_host() -
 def test_a_cpu_step_under_an_initialised_cuda_is_timed_by_the_host() -> None:
     # A BusyTimer answers in host seconds until the step saves a CUDA tensor.
     device = _FakeDevice()
-    runner = PlanRunner(
-        tierstore.TierConfig(activation_budget=0.5),
-        LinkClock(),
-        LinkClock(),
-        lambda: 0.0,
-        events=lambda: device.event,
-        background=False,
-    )
+    runner = _on_device(device)
     for _ in range(2):
         timer = runner.profile_timer()
         for key in range(2):
