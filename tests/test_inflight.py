@@ -22,7 +22,7 @@ import torch
 import tierstore
 from tierstore import codec, readahead, writebehind
 from tierstore.backends.file import FileBackend
-from tierstore.pipeline import Pipeline
+from tierstore.pipeline import LinkClock, Pipeline
 from tierstore.store import TierManager
 from tierstore.transfers import Transfers
 
@@ -641,21 +641,22 @@ def test_copies_count_in_the_link_clock_as_they_complete_in_order() -> None:
         def elapsed_time(self, end: Event) -> float:
             return end.ms - self.ms
 
-    transfers = Transfers(tierstore.TierConfig(disk_budget=0))
+    d2h, h2d = LinkClock(), LinkClock()
+    transfers = Transfers(tierstore.TierConfig(disk_budget=0), (d2h, h2d))
     late = Event(30.0, done=False)
     transfers._timed.extend(
         [
-            (transfers.d2h_clock, Event(0.0), Event(10.0), 500_000_000),
-            (transfers.h2d_clock, Event(10.0), late, 100),
-            (transfers.d2h_clock, Event(30.0), Event(40.0), 500_000_000),
+            (d2h, Event(0.0), Event(10.0), 500_000_000),
+            (h2d, Event(10.0), late, 100),
+            (d2h, Event(30.0), Event(40.0), 500_000_000),
         ]
     )
     transfers.settle()
-    assert transfers.d2h_clock.snapshot() == (500_000_000, pytest.approx(0.010))
-    assert transfers.h2d_clock.snapshot() == (0, 0.0)
+    assert d2h.snapshot() == (500_000_000, pytest.approx(0.010))
+    assert h2d.snapshot() == (0, 0.0)
     late.done = True
     transfers.settle()
-    assert transfers.d2h_clock.snapshot() == (1_000_000_000, pytest.approx(0.020))
-    assert transfers.h2d_clock.snapshot() == (100, pytest.approx(0.020))
-    assert transfers.d2h_clock.rate_since((0, 0.0)) == pytest.approx(50e9)
+    assert d2h.snapshot() == (1_000_000_000, pytest.approx(0.020))
+    assert h2d.snapshot() == (100, pytest.approx(0.020))
+    assert d2h.rate_since((0, 0.0)) == pytest.approx(50e9)
     transfers.close()

@@ -330,9 +330,19 @@ class _Kept:
 
 
 def _kept_noted(t: torch.Tensor, planned: int = 0) -> _Kept:
-    """``t`` kept, told to the thread's recorder if one runs (its detach not recorded)."""
-    with _own_work():
+    """``t`` kept, told to the thread's recorder if one runs (its detach not recorded).
+
+    Every kept parameter comes this way: no context manager when no recorder runs.
+    """
+    mode = _local.recorder
+    if mode is None:
         kept = _Kept(t.detach(), t._version, planned)
+    else:
+        mode.paused += 1  # as _own_work()
+        try:
+            kept = _Kept(t.detach(), t._version, planned)
+        finally:
+            mode.paused -= 1
     recorder = _local.recorder if _local.recompute else _local.region_recorder
     if recorder is not None:
         recorder.note_packed(t, kept, None)

@@ -51,7 +51,7 @@ from tierstore.errors import (
 )
 from tierstore.forks import forked_message, leave_to_parent
 from tierstore.handle import Handle
-from tierstore.pipeline import Pipeline
+from tierstore.pipeline import LinkClock, Pipeline
 from tierstore.plans import PlanRunner
 from tierstore.readahead import ReadAhead
 from tierstore.schedule import Schedule
@@ -212,7 +212,10 @@ class TierManager:
         self._dedupe: dict[tuple[object, ...], tuple[weakref.ref[object], int]] = {}
         self._keys = itertools.count()
         self._pipeline = Pipeline(config)
-        self._transfers = Transfers(config)
+        # The device link's clocks, fed by timed copies, read by a plan (NOTE [ Copies
+        # on CUDA ] in transfers.py): only with activation_budget, which reads them.
+        links = (LinkClock(), LinkClock()) if config.activation_budget is not None else None
+        self._transfers = Transfers(config, links)
         # Stops the I/O threads and frees host memory even if the store is
         # dropped without close().
         self._finalizer = weakref.finalize(self, _close_movers, self._pipeline, self._transfers)
@@ -260,7 +263,7 @@ class TierManager:
                 lambda: self._writes.pack_wait_s + self._reads.unpack_wait_s,
                 self._pipeline.io_cpu_s,
                 events=cuda_events,  # NOTE [ Timing a profile ] in plans.py
-                device_links=(self._transfers.d2h_clock, self._transfers.h2d_clock),
+                device_links=links,
             )
         self._resident_peak = 0
         self._parent: int | None = None  # NOTE [ Forked children ] in tierstore/forks.py

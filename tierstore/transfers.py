@@ -24,7 +24,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,7 +34,6 @@ from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.entry import Entry
 from tierstore.errors import StoreClosedError, TierFullError
 from tierstore.forks import leave_to_parent
-from tierstore.pipeline import LinkClock
 
 __all__ = ["DeviceCopy", "HostCopy", "Transfers"]
 
@@ -73,8 +72,8 @@ __all__ = ["DeviceCopy", "HostCopy", "Transfers"]
 # both copy streams, has completed (an event recorded on each at release).
 # Rates: each copy is timed by a timing event recorded on its stream before
 # it (after the stream's waits) and its own completion event; as copies
-# complete (settle()) their bytes and seconds go to the link's clock,
-# d2h_clock or h2d_clock. Copies on one stream run one after another, so the
+# complete (settle()) their bytes and seconds go to the link's clock each
+# way (the store's, passed in). Copies on one stream run one after another, so the
 # seconds add up to the time the stream was busy: what a plan for this
 # device divides by (NOTE [ Timing a profile ] in plans.py).
 
@@ -120,6 +119,13 @@ class DeviceCopy:
     stream: torch.cuda.Stream | None = None
 
 
+class Clock(Protocol):
+    """A link's clock as the copies feed it (``pipeline.LinkClock``, owned by the store)."""
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        """A copy of ``nbytes`` that kept the link busy ``seconds``."""
+
+
 class _Streams:
     """The copy streams of one CUDA device, created on first use."""
 
@@ -143,7 +149,7 @@ class Transfers:
         >>> transfers.close()
     """
 
-    def __init__(self, config: TierConfig) -> None:
+    def __init__(self, config: TierConfig, links: tuple[Clock, Clock] | None = None) -> None:
         self._config = config
         self._lock = (
             threading.Lock()
@@ -157,10 +163,10 @@ class Transfers:
         # D2H copies under way, oldest first, and their bytes.
         self._copying: deque[Entry] = deque()
         self.copying_bytes = 0
-        #: The device link's rates each way, from timed copies (NOTE [ Copies on CUDA ]).
-        self.d2h_clock = LinkClock()
-        self.h2d_clock = LinkClock()
-        self._timed: deque[tuple[LinkClock, Any, Any, int]] = deque()  # copies not yet counted
+        # The device link's clocks each way, fed by timed copies (NOTE [ Copies on CUDA ]);
+        # None: nobody reads the rates, and copies are not timed.
+        self._links = links
+        self._timed: deque[tuple[Clock, Any, Any, int]] = deque()  # copies not yet counted
         #: A profiled step's list for the compute stream's waits on copies back, else None.
         self.blocked: list[tuple[Any, Any]] | None = None
         self.heap_releases = 0
@@ -317,14 +323,16 @@ class Transfers:
         host = block.tensor.view(span.dtype).view(span.shape)
         streams = self._streams_of(span.device)
         producer = torch.cuda.current_stream(span.device)  # at call time, never cached
+        links = self._links
         with torch.profiler.record_function("tierstore::d2h"):
             streams.d2h.wait_stream(producer)
             with torch.cuda.stream(streams.d2h):
-                began = self._began(streams.d2h)
+                began = self._began(streams.d2h) if links is not None else None
                 host.copy_(span, non_blocking=True)
-                ready = torch.cuda.Event(enable_timing=True)
+                ready = torch.cuda.Event(enable_timing=links is not None)
                 ready.record(streams.d2h)
-        self._timed.append((self.d2h_clock, began, ready, span.numel() * span.element_size()))
+        if links is not None:
+            self._timed.append((links[0], began, ready, span.numel() * span.element_size()))
         return HostCopy(host, ready, block)
 
     @staticmethod
@@ -431,12 +439,14 @@ class Transfers:
             streams.h2d.wait_event(allocated)
             if after is not None:
                 streams.h2d.wait_event(after)
+            links = self._links
             with torch.cuda.stream(streams.h2d):
-                began = self._began(streams.h2d)
+                began = self._began(streams.h2d) if links is not None else None
                 out.copy_(span, non_blocking=span.is_pinned())
-                ready = torch.cuda.Event(enable_timing=True)
+                ready = torch.cuda.Event(enable_timing=links is not None)
                 ready.record(streams.h2d)
-        self._timed.append((self.h2d_clock, began, ready, span.numel() * span.element_size()))
+        if links is not None:
+            self._timed.append((links[1], began, ready, span.numel() * span.element_size()))
         return DeviceCopy(out, ready, consumer)
 
     def consume(self, copy: DeviceCopy) -> torch.Tensor:
