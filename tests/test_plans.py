@@ -999,3 +999,33 @@ def test_a_device_profile_keeps_a_dry_stream_busy_before_an_op() -> None:
     timer.begin()  # it ran dry: a spin
     timer.end()
     assert len(spins) == 2 and len(timer._spans) == 3
+
+
+def test_a_remade_plan_shows_the_last_measurement_until_its_own() -> None:
+    # Issue 34, item 6: the table said "measured -" after every remake.
+    runner = PlanRunner(
+        tierstore.TierConfig(activation_budget=0.5), LinkClock(), LinkClock(), lambda: 0.0,
+        background=False,
+    )  # fmt: skip
+
+    def step() -> None:
+        for key in range(3):
+            runner.choose(1 << 20)
+            if runner.profiling:
+                runner.saved(key, nbytes=1 << 20, op="aten.mm", module=f"m{key}",
+                             rebuild_s=0.001, input_keys=())  # fmt: skip
+        for key in reversed(range(3)):
+            runner.used(key)
+        runner.step_ended(1 << 20)
+
+    for _ in range(3):  # warm-up, profile, a planned step
+        step()
+    first = runner.plan
+    assert first is not None and first.measured_step_s is not None
+    runner._make(first.profile, "remade")
+    remade = runner.plan
+    assert remade is not None and remade is not first
+    assert remade.measured_step_s == first.measured_step_s and remade.measured_before
+    assert "(the plan this one replaced; none on this one yet)" in str(remade)
+    step()
+    assert not remade.measured_before and "replaced" not in str(remade)

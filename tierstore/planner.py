@@ -194,6 +194,9 @@ class Plan:
     #: The floor was not searched for (everything fits): ``floor_bytes`` is a
     #: bound, the lowest of the plans that free everything.
     floor_unsearched: bool = False
+    #: The measured figures are those of the plan this one replaced, shown
+    #: until a step runs on this one.
+    measured_before: bool = False
 
     @property
     def fits(self) -> bool:
@@ -238,6 +241,8 @@ class Plan:
         )
         measured_step = "-" if self.measured_step_s is None else f"{self.measured_step_s:.4g} s"
         measured_peak = "-" if self.measured_peak_bytes is None else _size(self.measured_peak_bytes)
+        if self.measured_before and self.measured_step_s is not None:
+            measured_step += " (the plan this one replaced; none on this one yet)"
         lines.append(
             f"step: predicted {self.predicted_step_s:.4g} s, measured {measured_step}; "
             f"peak: predicted {_size(self.predicted_peak_bytes)}, measured {measured_peak}"

@@ -594,6 +594,12 @@ class PlanRunner:
         return False
 
     def _use(self, expected: tuple[int, ...], plan: Plan) -> None:
+        replaced = self._plans.get(expected)
+        if replaced is not None and replaced is not plan and plan.measured_step_s is None:
+            # Until a step runs on it, the table shows what the last one measured.
+            plan.measured_step_s = replaced.measured_step_s
+            plan.measured_peak_bytes = replaced.measured_peak_bytes
+            plan.measured_before = plan.measured_step_s is not None
         if plan is not self.plan or expected != self._expected:
             n = nbytes = 0
             before = [(0, 0)]
@@ -721,6 +727,7 @@ class PlanRunner:
         assert self.plan is not None
         self.plan.measured_step_s = total
         self.plan.measured_peak_bytes = peak_bytes
+        self.plan.measured_before = False
         self.plan.steps += 1
         return self._refit(total) or adopted
 

@@ -1380,8 +1380,8 @@ def _plan_of(store: TierStore, result: StrategyResult) -> dict[str, Any] | None:
         "floor_bytes": plan.floor_bytes,
         "predicted_step_s": plan.predicted_step_s,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
-        "measured_by_store_step_s": plan.measured_step_s,
-        "measured_by_store_peak_bytes": plan.measured_peak_bytes,
+        "measured_by_store_step_s": None if plan.measured_before else plan.measured_step_s,
+        "measured_by_store_peak_bytes": None if plan.measured_before else plan.measured_peak_bytes,
         "measured_vs_predicted": result.median_step_s / plan.predicted_step_s,
         "bytes": plan.bytes_by_choice(),
     }
