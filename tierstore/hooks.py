@@ -330,38 +330,29 @@ class _Kept:
 
 
 def _kept_noted(t: torch.Tensor, planned: int = 0) -> _Kept:
-    """``t`` kept, told to the thread's recorder if one runs (its detach not recorded).
-
-    Every kept parameter comes this way: no context manager when no recorder runs.
-    """
-    mode = _local.recorder
-    if mode is None:
-        kept = _Kept(t.detach(), t._version, planned)
-    else:
-        mode.paused += 1  # as _own_work()
-        try:
-            kept = _Kept(t.detach(), t._version, planned)
-        finally:
-            mode.paused -= 1
+    """``t`` kept, told to the thread's recorder if one runs (its detach not recorded)."""
+    kept = _Kept(_unrecorded(t.detach), t._version, planned)
     recorder = _local.recorder if _local.recompute else _local.region_recorder
     if recorder is not None:
         recorder.note_packed(t, kept, None)
     return kept
 
 
-@contextlib.contextmanager
-def _own_work() -> Iterator[None]:
-    """Tierstore's own ops in a hook: the thread's recorder neither records nor times them.
+_R = TypeVar("_R")
 
-    A profile timed the copies off the device as the step's compute.
+
+def _unrecorded(fn: Callable[..., _R], *args: Any) -> _R:
+    """``fn(*args)``, tierstore's own ops in a hook: the recorder neither records nor times them.
+
+    A profile timed the copies off the device as the step's compute. A
+    function, not a context manager: kept parameters pay it on every save.
     """
     mode = _local.recorder
     if mode is None:
-        yield
-        return
+        return fn(*args)
     mode.paused += 1
     try:
-        yield
+        return fn(*args)
     finally:
         mode.paused -= 1
 
@@ -1022,8 +1013,7 @@ class TierStore:
             if packed is not None:
                 self._manager.count_recomputed(nbytes, t.device)
         if packed is None:
-            with _own_work():
-                packed = self._manager.put(t, nbytes, tier)
+            packed = _unrecorded(self._manager.put, t, nbytes, tier)
             recorder.note_packed(t, packed, self._manager.get)
         else:
             recorder.note_packed(t, packed, None)
@@ -1042,8 +1032,7 @@ class TierStore:
                 recorder.note_packed(t, recipe, None)
                 return recipe
             choice = "offload"  # not rebuildable this time: its bytes still leave
-        with _own_work():
-            handle = self._manager.put(t, nbytes, _PLACED[choice])
+        handle = _unrecorded(self._manager.put, t, nbytes, _PLACED[choice])
         if recorder is not None:
             recorder.note_packed(t, handle, self._manager.get)
         if runner.profiling:
@@ -1066,18 +1055,17 @@ class TierStore:
     def _unpack(self, packed: Handle | _Kept | Recipe) -> torch.Tensor:
         self._unpacks += 1  # NOTE [ Step log ]; a lost update under threads only delays a line
         runner = self._runner
-        if runner is not None:
-            if type(packed) is _Kept:  # a plan-kept save leaves the peak at its first use
-                key, planned, packed.planned = -1, packed.planned, 0
-            else:
-                key, planned = packed.key if type(packed) is Handle else -1, 0
-            if runner.used(key, planned):
-                self._manager.backward_began()
         if isinstance(packed, _Kept):  # the short way (NOTE [ Saves that stay ] in store.py)
+            if runner is not None:  # a plan-kept save leaves the peak at its first use
+                if runner.used(-1, packed.planned):
+                    self._manager.backward_began()
+                packed.planned = 0
             t = packed.tensor
             if t._version != packed.version:
                 raise modified_in_place(tuple(t.shape), t.dtype, t._version, packed.version)
             return t
+        if runner is not None and runner.used(packed.key if type(packed) is Handle else -1):
+            self._manager.backward_began()
         return self._fetch(packed)
 
     def _fetch(self, packed: Handle | Recipe) -> torch.Tensor:
@@ -1087,10 +1075,7 @@ class TierStore:
         assert isinstance(packed, Handle)
         # Read once for this unpack and the recipes that take it as an input.
         shared = shared_fetch(packed)
-        if shared is not None:
-            return shared
-        with _own_work():
-            return self._manager.get(packed)
+        return shared if shared is not None else _unrecorded(self._manager.get, packed)
 
 
 # -- the process-wide stores behind tierstore.offload() ------------------------

@@ -123,7 +123,7 @@ __all__ = ["HostTimer", "PlanRunner", "Timer", "budget_bytes"]
 #     would be the host's time alone (an allocation that waited on the
 #     device took 340 ms of one profile). tierstore's own ops in its hooks
 #     (the copy off the device, a detach) are not the step's: the recorder
-#     is paused while the hooks run them (hooks._own_work).
+#     is paused while the hooks run them (hooks._unrecorded).
 #   * backward: an event at each use, less the time the compute stream
 #     waited on copies back (an event pair around each wait, written down
 #     by Transfers.consume while the profiled step runs).

@@ -327,20 +327,13 @@ class Transfers:
         with torch.profiler.record_function("tierstore::d2h"):
             streams.d2h.wait_stream(producer)
             with torch.cuda.stream(streams.d2h):
-                began = self._began(streams.d2h) if links is not None else None
+                began = _timing_event(streams.d2h) if links is not None else None
                 host.copy_(span, non_blocking=True)
                 ready = torch.cuda.Event(enable_timing=links is not None)
                 ready.record(streams.d2h)
         if links is not None:
             self._timed.append((links[0], began, ready, span.numel() * span.element_size()))
         return HostCopy(host, ready, block)
-
-    @staticmethod
-    def _began(stream: torch.cuda.Stream) -> torch.cuda.Event:
-        """A timing event where a copy starts on ``stream`` (after its waits)."""
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream)
-        return event
 
     def _count_copies(self) -> None:
         """Give the link clocks the copies that completed (NOTE [ Copies on CUDA ])."""
@@ -441,7 +434,7 @@ class Transfers:
                 streams.h2d.wait_event(after)
             links = self._links
             with torch.cuda.stream(streams.h2d):
-                began = self._began(streams.h2d) if links is not None else None
+                began = _timing_event(streams.h2d) if links is not None else None
                 out.copy_(span, non_blocking=span.is_pinned())
                 ready = torch.cuda.Event(enable_timing=links is not None)
                 ready.record(streams.h2d)
@@ -463,9 +456,9 @@ class Transfers:
             if blocked is None:
                 consumer.wait_event(copy.ready)
             else:
-                began = self._began(consumer)
+                began = _timing_event(consumer)
                 consumer.wait_event(copy.ready)
-                blocked.append((began, self._began(consumer)))
+                blocked.append((began, _timing_event(consumer)))
             if consumer != copy.stream:
                 copy.tensor.record_stream(consumer)
         return copy.tensor
@@ -531,6 +524,13 @@ class Transfers:
                 pool.close()
 
 
+def _timing_event(stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
+    """A timing event recorded now on ``stream`` (the current stream by default)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
 #: Cycles of the spin that keeps a profiled stream busy: about half a millisecond
 #: at an H200's clock, longer than the host takes to launch one op (about 0.1 ms
 #: through the recorder, measured on one).
@@ -548,9 +548,7 @@ class CudaEvents:
     """
 
     def __call__(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return _timing_event()
 
     @staticmethod
     def keep_busy() -> None:
