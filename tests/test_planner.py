@@ -17,6 +17,8 @@ from tierstore.planner import (
     Profile,
     Save,
     _MoveBounds,
+    _size,
+    floor_bytes,
     make_plan,
     simulate,
 )
@@ -470,7 +472,8 @@ def test_the_table() -> None:
         "module        kept   offloaded     rebuilt    exposed",
         "m.0            0 B     1.0 MiB         0 B      0.1ms",
         "m.1            0 B     1.0 MiB         0 B      0.1ms",
-        "budget 0 B, window none (synchronous), floor 1.0 MiB; link out 20 GB/s, back 20 GB/s",
+        "budget 0 B (not met: this plan's peak is 1.0 MiB), window none (synchronous), "
+        "floor 1.0 MiB; link out 20 GB/s, back 20 GB/s",
         "step: predicted 0.06021 s, measured 0.0612 s; peak: predicted 1.0 MiB, measured 1.0 MiB",
         "(kept / offloaded / rebuilt: the bytes each module saves, by the plan's choice; "
         "exposed: the step time the plan charges to them, link waits and rebuild compute; "
@@ -598,10 +601,28 @@ def test_a_budget_everything_fits_is_planned_without_a_search(
         patch.setattr(planner, "_plan_for_window", searched)
         plan = make_plan(profile, everything)
     assert plan.choices == ("keep",) * 8 and plan.predicted_peak_bytes == everything
-    # The floor was not searched: a bound, said so in the table.
-    assert plan.floor_unsearched and make_plan(profile, 0).floor_bytes <= plan.floor_bytes
-    assert "floor at most" in str(plan) and "floor at most" not in str(make_plan(profile, 0))
+    # The floor is the step's all the same (NOTE [ The floor ]).
+    assert plan.floor_bytes == make_plan(profile, 0).floor_bytes == floor_bytes(profile)
     assert make_plan(profile, everything - 1).choices != plan.choices
+
+
+@pytest.mark.parametrize("shared_link", [False, True])
+def test_the_floor_is_the_steps_whatever_the_budget(shared_link: bool) -> None:
+    # Issue 34, item 4: one meaning for "floor". The same profile planned for
+    # budgets from nothing to everything reports one floor, and a budget's
+    # plan that stops above its budget says so apart from the floor.
+    profile = dataclasses.replace(_chain(8), shared_link=shared_link)
+    everything = simulate(profile, ("keep",) * 8, profile.window_bytes).peak_bytes
+    floor = floor_bytes(profile)
+    floors = {
+        make_plan(profile, int(everything * f)).floor_bytes for f in (0, 0.2, 0.4, 0.7, 1.0, 2.0)
+    }
+    assert floors == {floor}
+    assert 0 < floor < everything
+    below = make_plan(profile, floor // 2)
+    assert not below.fits
+    assert f"budget {_size(floor // 2)} (not met: this plan's peak is" in str(below)
+    assert "not met" not in str(make_plan(profile, everything))
 
 
 # NOTE [ The H200 step ]

@@ -384,11 +384,13 @@ def test_a_budget_below_the_floor_warns_once_with_the_floor(
     # The floor of the plan made then (the remade one's may differ).
     message = str(budget_warnings[0].message)
     floor = int(message.split("reach, ")[1].split(" bytes", maxsplit=1)[0])
+    runs_at = message.split("the step runs at ")[1].split(". Raise", maxsplit=1)[0]
     assert message == (
         f"tierstore: activation_budget=1 (1 B) is below the lowest this step can reach, "
-        f"{floor} bytes ({human_bytes(floor)}); the step runs at that floor. Raise "
+        f"{floor} bytes ({human_bytes(floor)}); the step runs at {runs_at}. Raise "
         f"activation_budget (TIERSTORE_ACTIVATION_BUDGET) to at least {floor}"
     )
+    assert runs_at == human_bytes(floor)  # nothing goes lower than the floor
     assert floor > 0
     assert budget_warnings[0].filename == __file__
 
@@ -1029,3 +1031,103 @@ def test_a_remade_plan_shows_the_last_measurement_until_its_own() -> None:
     assert "(the plan this one replaced; none on this one yet)" in str(remade)
     step()
     assert not remade.measured_before and "replaced" not in str(remade)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_peak_above_the_budget_remakes_the_plan_once_then_warns_once(compiled: bool) -> None:
+    # NOTE [ A peak above the budget ] (issue 34, item 1: re-planning looks at
+    # peak as well as time).
+    runner = PlanRunner(
+        tierstore.TierConfig(activation_budget=0.5),
+        LinkClock(),
+        LinkClock(),
+        lambda: 0.0,
+        background=False,
+    )
+    sizes = [1 << 20] * 4
+
+    def step(peak: int) -> None:
+        for key, nbytes in enumerate(sizes):
+            runner.choose(nbytes)
+            if runner.profiling:
+                runner.saved(
+                    key,
+                    nbytes=nbytes,
+                    op="aten.mm",
+                    module="m",
+                    rebuild_s=1e-3,
+                    input_keys=(),
+                    compiled=compiled,
+                )
+        for key in reversed(range(len(sizes))):
+            runner.used(key)
+        runner.step_ended(peak)
+
+    step(0)  # warm-up
+    step(0)  # profile
+    first = runner.plan
+    assert first is not None and first.fits
+    step(first.predicted_peak_bytes)  # as predicted: nothing happens
+    assert runner.plan is first and not runner.warnings
+    over = int(first.budget_bytes * 1.5)
+    step(over)  # over: the plan is remade, counting the excess as bytes that stay
+    remade = runner.plan
+    assert remade is not first and remade is not None
+    assert remade.profile.fixed_bytes == first.profile.fixed_bytes + over - (
+        first.predicted_peak_bytes
+    )
+    assert remade.budget_bytes == first.budget_bytes
+    runner.warnings.clear()  # the remade plan's own floor warning, if any
+    step(over)  # still over under the remade plan: one warning, with its cause
+    step(over)
+    assert len(runner.warnings) == 1
+    message = runner.warnings[0]
+    assert message.startswith(f"tierstore: the step's peak, measured {human_bytes(over)}, is above")
+    if compiled:
+        assert "torch.compile'd region" in message and "block.compile()" in message
+    else:
+        assert "TIERSTORE_ACTIVATION_BUDGET" in message and "compile" not in message
+
+
+def test_the_table_has_a_row_per_block_under_offload_module(
+    budget_store: Callable[..., tierstore.TierStore],
+) -> None:
+    # Issue 34, item 6: with offload_module on each block, the rows were the
+    # blocks' submodules summed over every block (Block.fc1, Block, ...): the
+    # names came from a tracker entered inside a block's forward. They come
+    # from the stack now (NOTE [ Naming modules ] in hooks.py).
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.act, self.fc2 = (
+                torch.nn.Linear(32, 128),
+                torch.nn.GELU(),
+                torch.nn.Linear(128, 32),
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.fc2(self.act(self.fc1(x)))
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    store = budget_store(0.5)
+    model = Net()
+    handles = [tierstore.offload_module(b, store=store) for b in model.blocks]
+    x = torch.randn(16, 32)
+    for _ in range(4):
+        model(x).square().mean().backward()
+    for h in handles:
+        h.remove()
+    plan = store.plan()
+    assert plan is not None
+    rows = [line.split()[0] for line in str(plan).splitlines()[1:]]
+    assert rows[:4] == [f"Net.blocks.{i}" for i in range(4)]
+    assert not any(r.startswith("Block") for r in rows)

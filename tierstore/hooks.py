@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.module_tracker import ModuleTracker
 
 from tierstore.config import TierConfig, load_config
 from tierstore.errors import ConfigError, TierstoreWarning, modified_in_place
@@ -123,7 +122,7 @@ class _Local(threading.local):
     tier: Tier | None = None
     recompute = False
     recorder: Recorder | None = None
-    tracker: ModuleTracker | None = None
+    names: _ModuleNames | None = None  # a profiled block's (NOTE [ Naming modules ])
     active = 0
     # NOTE [ Recording where a plan rebuilds ]: the open planned block's regions
     # and the recorder they push.
@@ -455,7 +454,7 @@ def _checked(config: object, where: str) -> TierConfig | None:
 class _Block:
     """One entered offload block: its hooks, its first tally (or ``None``), its recompute state."""
 
-    __slots__ = ("before", "hooks", "outer_recompute", "outer_regions", "pushed", "tracker")
+    __slots__ = ("before", "hooks", "names", "outer_recompute", "outer_regions", "pushed")
 
     def __init__(self, hooks: saved_tensors_hooks, before: PackTally | None) -> None:
         self.hooks = hooks
@@ -464,7 +463,7 @@ class _Block:
         self.outer_recompute = False
         # NOTE [ Recording where a plan rebuilds ]: what the block's regions replaced.
         self.outer_regions: tuple[_Regions | None, Recorder | None] | None = None
-        self.tracker: ModuleTracker | None = None
+        self.names: _ModuleNames | None = None
 
 
 # NOTE [ Recording where a plan rebuilds ]
@@ -477,9 +476,9 @@ class _Block:
 # block's recorder as the module's forward begins and pop it as it ends.
 # What autograd packs is noted with that recorder everywhere in the block (a
 # dict entry, no dispatch), since a save is often packed by the module after
-# the one whose op made it. The modules are those the profiled step's module
-# tracker saw under those names. A plan that rebuilds what ran in no module
-# the tracker saw (an op outside every module, a module gone since) records
+# the one whose op made it. The modules are those the profiled step named
+# (NOTE [ Naming modules ]). A plan that rebuilds what ran in no module
+# the profile named (an op outside every module, a module gone since) records
 # the whole block, as before; one that rebuilds nothing records nothing. A
 # save whose recipe cannot be made after all is offloaded instead, as any
 # save that turns out not rebuildable.
@@ -567,10 +566,10 @@ class _Regions:
 # then records every op it may (recompute.everything): the plan, not a list
 # of cheap ops, picks what is rebuilt, and chains may run MAX_PLANNED_DEPTH
 # ops deep (a block rebuilt from its input is checkpointing). In a profiled
-# step the recorder also times each op, and a module tracker names the
-# module of each save (the outermost numbered one: a transformer block); the
-# pack hook writes down each save, the unpack hook each first use. The
-# tracker and the timing run in that step only.
+# step the recorder also times each op, and the stack names the module of
+# each save (the outermost numbered one: a transformer block; NOTE [ Naming
+# modules ]); the pack hook writes down each save, the unpack hook each first
+# use. The naming and the timing run in that step only.
 
 #: How many ops a planned rebuild may replay in one chain.
 MAX_PLANNED_DEPTH = 64
@@ -578,16 +577,110 @@ MAX_PLANNED_DEPTH = 64
 _PLACED: dict[Choice | None, Tier | None] = {"keep": "device", "offload": "host", None: None}
 
 
-def _module_name(tracker: ModuleTracker | None) -> str:
-    """The save's module: the outermost numbered one (``GPT.blocks.3``), else a top one."""
-    if tracker is None:
-        return ""
-    names = [n for n in tracker.parents if n != "Global"]
-    numbered = [n for n in names if n.rsplit(".", 1)[-1].isdigit()]
-    if numbered:
-        return min(numbered, key=len)
-    top = [n for n in names if n.count(".") == 1]
-    return min(top) if top else min(names, key=len, default="")
+# NOTE [ Naming modules ]
+# A profile names the module of each save and of each op a rebuild replays,
+# so a plan's table reads per block and a planned step can record inside the
+# modules it rebuilds in (NOTE [ Recording where a plan rebuilds ]). The
+# names come from the Python stack, read at those moments in the profiled
+# step only: the frames of nn.Module's call path hold the modules whose
+# forward is running, outermost first, and each is named by its path from
+# the outermost one (GPT.blocks.3.attn: the class name of the root, then
+# named_modules' path). Not module hooks: a global forward pre-hook (torch's
+# ModuleTracker) makes torch.compile(module) warn at every call, and Dynamo
+# traced into it and failed on a whole-model compile; per-module hooks would
+# need the model, which offload() is not given. Where the stack shows no
+# module (ops outside every module, or a whole compiled graph's saves handed
+# over as it ends) the name is the outermost module's, or "".
+
+#: The code objects of nn.Module's call path: a frame running one holds the module.
+_CALL_CODES = frozenset(
+    f.__code__
+    for f in (torch.nn.Module._call_impl, getattr(torch.nn.Module, "_wrapped_call_impl", None))
+    if f is not None
+)
+
+
+#: Where a compiled region's runtime lives: on the stack, its saves are handed over at its end.
+_COMPILED_RUNTIME = f"{os.sep}_aot_autograd{os.sep}"
+
+
+class _ModuleNames:
+    """The running modules' names, read off the stack (NOTE [ Naming modules ]).
+
+    Example:
+        >>> names = _ModuleNames()
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.blocks = torch.nn.ModuleList([torch.nn.Identity()])
+        ...     def forward(self, x):
+        ...         return names.running()
+        >>> Net()(torch.ones(1))
+        'Net'
+    """
+
+    def __init__(self) -> None:
+        self._trees: dict[int, tuple[weakref.ref[torch.nn.Module], dict[int, str]]] = {}
+        self.compiled = False
+        #: Every module named so far, by name.
+        self.known: dict[str, weakref.ref[torch.nn.Module]] = {}
+
+    def _chain(self) -> list[torch.nn.Module]:
+        """The modules whose forward runs now, outermost first; notes :attr:`compiled`."""
+        chain: list[torch.nn.Module] = []
+        compiled = False
+        frame = sys._getframe(2)
+        while frame is not None:
+            code = frame.f_code
+            if code in _CALL_CODES:
+                module = frame.f_locals.get("self")
+                if isinstance(module, torch.nn.Module):
+                    module = getattr(module, "_orig_mod", module)  # torch.compile's wrapper
+                    if not chain or chain[-1] is not module:
+                        chain.append(module)
+            elif not compiled and _COMPILED_RUNTIME in code.co_filename:
+                compiled = True
+            frame = frame.f_back  # type: ignore[assignment]
+        chain.reverse()
+        #: Whether the last name was read under a compiled region's runtime.
+        self.compiled = compiled
+        return chain
+
+    def _tree(self, root: torch.nn.Module) -> dict[int, str]:
+        """Names of ``root``'s modules by id, made once per root."""
+        held = self._trees.get(id(root))
+        if held is not None and held[0]() is root:
+            return held[1]
+        top = type(root).__name__
+        names: dict[int, str] = {}
+        for path, m in root.named_modules():
+            names[id(m)] = name = f"{top}.{path}" if path else top
+            self.known.setdefault(name, weakref.ref(m))
+        self._trees[id(root)] = (weakref.ref(root), names)
+        return names
+
+    def running(self) -> str:
+        """The running module: the outermost numbered one (``GPT.blocks.3``), else a top one."""
+        chain = self._chain()
+        if not chain:
+            return ""
+        tree = self._tree(chain[0])
+        names = [tree.get(id(m), type(m).__name__) for m in chain]
+        numbered = [n for n in names if n.rsplit(".", 1)[-1].isdigit()]
+        if numbered:
+            return min(numbered, key=len)
+        top = [n for n in names if n.count(".") == 1]
+        return min(top) if top else min(names, key=len)
+
+
+def _module_name() -> tuple[str, bool]:
+    """The save's module in a profiled block (NOTE [ Naming modules ]), else "".
+
+    And whether a compiled region hands it over (NOTE [ A peak above the
+    budget ] in plans.py).
+    """
+    names = _local.names
+    return ("", False) if names is None else (names.running(), names.compiled)
 
 
 # NOTE [ Recompute in blocks ]
@@ -741,11 +834,10 @@ class TierStore:
                     _local.region_recorder = self._regions.recorder()
         if policy is not None and _tracing():
             policy = None  # make_fx, FakeTensorMode: tracing keeps today's path
-        if timed and policy is not None and _local.tracker is None:
-            block.tracker = _local.tracker = ModuleTracker()
-            block.tracker.__enter__()
+        if timed and policy is not None and _local.names is None:
+            block.names = _local.names = _ModuleNames()
         if policy is not None and _local.recorder is None:
-            where = (lambda: _module_name(_local.tracker)) if block.tracker is not None else None
+            where = block.names.running if block.names is not None else None
             timer = runner.profile_timer() if timed and runner is not None else None
             recorder = Recorder(policy, self._stays, timer=timer, max_depth=depth or 8, where=where)
             try:
@@ -766,12 +858,10 @@ class TierStore:
         try:
             if block.outer_regions is not None:
                 _local.regions, _local.region_recorder = block.outer_regions
-            if block.tracker is not None:
-                _local.tracker = None
-                block.tracker.__exit__()
+            if block.names is not None:
+                _local.names = None
                 # The modules the profile named (NOTE [ Recording where a plan rebuilds ]).
-                known = getattr(block.tracker, "_known_modules", {})
-                self._modules = {name: weakref.ref(m) for m, name in list(known.items())}
+                self._modules = dict(block.names.known)
             if block.pushed is not None:
                 _local.recorder = None
                 block.pushed.__exit__(None, None, None)  # type: ignore[no-untyped-call]
@@ -802,11 +892,11 @@ class TierStore:
         self._steps += 1
         self._manager.step_ended()
         if self._runner is not None and not self._manager.closed:
-            line, warning = self._manager.plan_step_ended()
+            line, said = self._manager.plan_step_ended()
             if line is not None:
                 log.info("%s", line)
-            if warning is not None:
-                warnings.warn(TierstoreWarning(warning), stacklevel=_user_stacklevel())
+            for message in said:
+                warnings.warn(TierstoreWarning(message), stacklevel=_user_stacklevel())
         if not log.isEnabledFor(logging.INFO) or self._manager.closed:
             return
         now = self._manager.stats()
@@ -1039,11 +1129,13 @@ class TierStore:
             op, cost, inputs, made_in = (
                 recorder.describe(t) if recorder is not None else ("", None, [], ())
             )
+            module, compiled = _module_name()
             runner.saved(
                 handle.key,
                 nbytes=nbytes,
                 op=op,
-                module=_module_name(_local.tracker),
+                module=module,
+                compiled=compiled,
                 rebuild_s=cost,
                 input_keys=tuple(p.key for p in inputs if type(p) is Handle),
                 cuda=t.is_cuda,

@@ -36,6 +36,15 @@ __all__ = ["Choice", "Plan", "Profile", "Save", "make_plan", "simulate"]
 #: What the plan does with one saved tensor.
 Choice = Literal["keep", "offload", "rebuild"]
 
+# NOTE [ The floor ]
+# The floor is a property of the step, not of a budget: the lowest peak of
+# the plans that free everything (all offloaded; each module rebuilt from its
+# first save), each played at every window make_plan tries, the last resorts
+# included. A few dozen simulations, so every plan carries it. A search for
+# a budget can end lower (its moves mix choices); then the floor is that
+# plan's peak. Where a budget's plan stops above the budget though the floor
+# is below it, the table and the warning say so apart from the floor.
+
 # NOTE [ Planning ]
 # The user states one number, activation_budget: the bytes of saved tensors
 # that may rest in the memory of the device that made them at any moment of
@@ -174,8 +183,8 @@ class Plan:
         window_bytes: the in-flight bound the plan assumes.
         predicted_step_s: the step time the plan predicts.
         predicted_peak_bytes: the most saved bytes resident at once, predicted.
-        floor_bytes: the lowest peak the profile can reach at all; above the
-            budget when the budget cannot be met.
+        floor_bytes: the lowest peak the step can reach, whatever the budget
+            (NOTE [ The floor ]); above the budget when the budget cannot be met.
         measured_step_s: the last step run under the plan (``None`` before).
         measured_peak_bytes: its measured peak of saved bytes resident.
     """
@@ -191,9 +200,6 @@ class Plan:
     measured_step_s: float | None = None
     measured_peak_bytes: int | None = None
     steps: int = field(default=0)
-    #: The floor was not searched for (everything fits): ``floor_bytes`` is a
-    #: bound, the lowest of the plans that free everything.
-    floor_unsearched: bool = False
     #: The measured figures are those of the plan this one replaced, shown
     #: until a step runs on this one.
     measured_before: bool = False
@@ -233,10 +239,12 @@ class Plan:
                 f"{_size(rebuilt):>10}  {exposed * 1e3:>7.1f}ms"
             )
         profile = self.profile
-        floor = ("at most " if self.floor_unsearched else "") + _size(self.floor_bytes)
+        budget = _size(self.budget_bytes)
+        if not self.fits:  # the plan stops above the budget: said apart from the floor
+            budget += f" (not met: this plan's peak is {_size(self.predicted_peak_bytes)})"
         lines.append(
-            f"budget {_size(self.budget_bytes)}, window {_window(self.window_bytes)}, "
-            f"floor {floor}; link out {_rate(profile.write_bytes_per_s)}, "
+            f"budget {budget}, window {_window(self.window_bytes)}, "
+            f"floor {_size(self.floor_bytes)}; link out {_rate(profile.write_bytes_per_s)}, "
             f"back {_rate(profile.read_bytes_per_s)}"
         )
         measured_step = "-" if self.measured_step_s is None else f"{self.measured_step_s:.4g} s"
@@ -693,11 +701,13 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
     """
     starts = [_all(profile, "keep"), *_lowest_templates(profile)]
     window = profile.window_bytes
+    # The last resorts, for budgets that no larger window meets; forward
+    # waits for a write only on a disk's link (NOTE [ Planning ]).
+    last = (ONE_AT_A_TIME, SYNCHRONOUS) if profile.shared_link else (ONE_AT_A_TIME,)
+    floor = floor_bytes(profile)
     kept = simulate(profile, starts[0], window)
     if kept.peak_bytes <= budget_bytes:
         # Everything fits: nothing is faster than keeping it, so no search.
-        # The floor is the lowest of the templates, not searched for.
-        floor = min(simulate(profile, c, window).peak_bytes for c in starts)
         return Plan(
             profile=profile,
             choices=starts[0],
@@ -705,15 +715,11 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
             window_bytes=window,
             predicted_step_s=kept.step_s,
             predicted_peak_bytes=kept.peak_bytes,
-            floor_bytes=floor,
+            floor_bytes=min(floor, kept.peak_bytes),
             exposed_s=kept.exposed_s,
-            floor_unsearched=True,
         )
     tried: list[tuple[list[Choice], Outcome, int]] = []
     fits = False
-    # The last resorts, for budgets that no larger window meets; forward
-    # waits for a write only on a disk's link (NOTE [ Planning ]).
-    last = (ONE_AT_A_TIME, SYNCHRONOUS) if profile.shared_link else (ONE_AT_A_TIME,)
     for window in [*_windows(profile), *last]:
         if window in last and fits:
             break
@@ -735,7 +741,7 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
         if outcome.peak_bytes <= budget_bytes and (best is None or outcome.step_s < best[1].step_s):
             best = (choices, outcome, window)
     assert lowest is not None
-    floor = lowest[1].peak_bytes
+    floor = min(floor, lowest[1].peak_bytes)
     if best is None:
         best = lowest
     choices, outcome, window = best
@@ -748,6 +754,23 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
         predicted_peak_bytes=outcome.peak_bytes,
         floor_bytes=min(floor, outcome.peak_bytes),
         exposed_s=outcome.exposed_s,
+    )
+
+
+def floor_bytes(profile: Profile) -> int:
+    """The lowest peak the step can reach, whatever the budget (NOTE [ The floor ]).
+
+    Example:
+        >>> from tierstore.planner import Profile, Save, floor_bytes
+        >>> p = Profile((Save(1000, "aten.mm", "m", 0.0, 0.0),), 1.0, 1.0, 0.0, 1e9, 1e9, 1000)
+        >>> floor_bytes(p)   # cannot be rebuilt: in flight, or in use
+        1000
+    """
+    last = (ONE_AT_A_TIME, SYNCHRONOUS) if profile.shared_link else (ONE_AT_A_TIME,)
+    return min(
+        simulate(profile, choices, window).peak_bytes
+        for window in (*_windows(profile), *last)
+        for choices in _lowest_templates(profile)
     )
 
 

@@ -374,8 +374,8 @@ class TierManager:
         """Saved bytes on the device: the device tier, in flight, and what the plan kept."""
         return self._kept_resident() + self._reads.outstanding_bytes()
 
-    def plan_step_ended(self) -> tuple[str | None, str | None]:
-        """The step ended: plan from its profile or measure the plan; (INFO line, warning)."""
+    def plan_step_ended(self) -> tuple[str | None, list[str]]:
+        """The step ended: plan from its profile or measure the plan; (INFO line, warnings)."""
         runner = self.plans
         assert runner is not None
         with self._locked():
@@ -402,8 +402,8 @@ class TierManager:
             )
             self._reads.limit.hold_to(None)
             self._writes.limit.hold_to(None)
-            warning, runner.warning = runner.warning, None
-            return line, warning
+            said, runner.warnings = runner.warnings, []
+            return line, said
 
     def _deduplicated_entry(self, dedupe_key: tuple[Any, ...], storage: object) -> Entry | None:
         """The live entry already holding this storage, view and version, with one more ref."""
