@@ -1,4 +1,4 @@
-"""Every example in the docs runs: README code blocks and each module's docstring examples."""
+"""Every example in the docs runs (README, docs/*.md, docstrings), and the docs hold together."""
 
 from __future__ import annotations
 
@@ -46,30 +46,52 @@ def test_docstring_examples(name: str) -> None:
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
 
 
-def test_readme_python_blocks_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [ROOT / "README.md", *DOCS]
+
+
+def _python_blocks(page: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+
+
+def _run_blocks_cleanly(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run a page's python blocks with the temp dir at tmp_path; they leave no empty directory."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    assert len(blocks) >= 2
-    for block in blocks:
-        exec(compile(block, "README.md", "exec"), {})
+    name = str(page.relative_to(ROOT))
+    for block in _python_blocks(page):
+        exec(compile(block, name, "exec"), {})
     gc.collect()
-    # The examples clean up after themselves (issue 34, item 10): no empty
-    # directory of theirs is left; a store's own spill directory goes when
-    # the store closes (the one behind offload() at exit).
+    # The examples clean up after themselves: no empty directory of theirs is
+    # left; a store's own spill directory goes when the store closes (the one
+    # behind offload() at exit).
     left = [p.name for p in tmp_path.iterdir() if p.is_dir() and not any(p.iterdir())]
-    assert not [name for name in left if not name.startswith("torchinductor")]  # torch's cache
+    assert not [n for n in left if not n.startswith("torchinductor")], left  # torch's cache
+    # Nothing else either, but the spill directories of offload()'s stores.
+    others = [p.name for p in tmp_path.iterdir() if not p.name.startswith(("tierstore-", "torch"))]
+    assert others == [], f"{name} left {others} in the temp dir"
 
 
-def test_recipes_python_blocks_run() -> None:
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "recipes.md").read_text(), re.S)
+def test_readme_python_blocks_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert len(_python_blocks(ROOT / "README.md")) >= 2
+    _run_blocks_cleanly(ROOT / "README.md", tmp_path, monkeypatch)
+
+
+def test_recipes_has_its_recipes() -> None:
+    blocks = _python_blocks(ROOT / "docs" / "recipes.md")
     assert len(blocks) >= 4
-    for block in blocks:
-        exec(compile(block, "docs/recipes.md", "exec"), {})
+    # The activation_budget recipe: a fraction, and the plan printed.
+    assert [b for b in blocks if "activation_budget=0." in b and "store.plan()" in b]
+
+
+@pytest.mark.parametrize("page", [p for p in DOCS if _python_blocks(p)], ids=lambda p: p.name)
+def test_docs_python_blocks_run(
+    page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _run_blocks_cleanly(page, tmp_path, monkeypatch)
 
 
 def test_compile_recipe_runs_without_a_warning_tierstore_causes() -> None:
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "recipes.md").read_text(), re.S)
-    (block,) = [b for b in blocks if "torch.compile(" in b]
+    (block,) = [b for b in _python_blocks(ROOT / "docs" / "recipes.md") if "torch.compile(" in b]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         exec(compile(block, "docs/recipes.md", "exec"), {})
@@ -90,9 +112,50 @@ def test_readme_starts_with_the_two_commands() -> None:
     assert fence < 5
 
 
-def test_readme_lists_every_setting() -> None:
+def test_readme_stays_short() -> None:
+    # The README is the way in; the depth lives in docs/.
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 260
+
+
+def test_configuration_page_lists_every_setting() -> None:
     from tierstore import TierConfig
 
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "configuration.md").read_text()
     for name in TierConfig.model_fields:
-        assert f"| `{name}` | `TIERSTORE_{name.upper()}` |" in readme, name
+        assert f"| `{name}` | `TIERSTORE_{name.upper()}` |" in page, name
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    headings = re.findall(r"^#+ (.+)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_links_and_cited_results_exist(page: Path) -> None:
+    text = page.read_text()
+    broken = []
+    prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", text, flags=re.S))
+    for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+        if re.match(r"[a-z]+:", target):
+            continue  # a URL
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        unknown_anchor = bool(anchor) and file.suffix == ".md" and anchor not in _anchors(file)
+        if not file.exists() or unknown_anchor:
+            broken.append(target)
+    # A results file named in the text (in a path or alone) is one that exists.
+    results = ROOT / "benchmarks" / "results"
+    for name in set(re.findall(r"\b(20\d\d-\d\d-\d\d-[\w.-]+\.(?:json|png|txt))", text)):
+        if not (results / name).exists():
+            broken.append(f"benchmarks/results/{name}")
+    assert broken == [], f"{page.name}: {broken}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_user_docs_tell_no_development_history(page: Path) -> None:
+    # Words about the software, not about how it was developed.
+    text = page.read_text()
+    assert not re.findall(r"(?i)\bissues?\s+#?\d+|\bcommit\s+`?[0-9a-f]{7}", text)
+    assert not re.findall(r"(?i)development (?:machine|vm)", text)
