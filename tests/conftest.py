@@ -17,6 +17,7 @@ import torch
 import tierstore
 from tierstore import hooks
 from tierstore.pipeline import Pipeline
+from tierstore.plans import PlanRunner
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -49,6 +50,10 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]
             monkeypatch.delenv(name)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    # Tests count steps to the first plan: it is made where the profile ends,
+    # not off the thread (NOTE [ Planning off the training thread ]), except
+    # where a test asks for the default.
+    monkeypatch.setattr(PlanRunner, "first_plan_at_once", True)
     yield
     hooks._close_all()
 

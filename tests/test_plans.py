@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -22,13 +23,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import tierstore
-from tierstore import plans
+from tierstore import hooks, plans
 from tierstore.backends import host
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.config import human_bytes
 from tierstore.hooks import _Kept
 from tierstore.pipeline import LinkClock
-from tierstore.planner import SYNCHRONOUS, Profile, Save, make_plan
+from tierstore.planner import SYNCHRONOUS, Plan, Profile, Save, make_plan
 from tierstore.plans import PLANS_KEPT, PlanRunner
 from tierstore.recompute import Recipe, Recorder
 from tierstore.store import TierManager
@@ -1131,3 +1132,44 @@ def test_the_table_has_a_row_per_block_under_offload_module(
     rows = [line.split()[0] for line in str(plan).splitlines()[1:]]
     assert rows[:4] == [f"Net.blocks.{i}" for i in range(4)]
     assert not any(r.startswith("Block") for r in rows)
+
+
+def test_the_first_plan_is_made_off_the_thread_while_steps_go_on(
+    budget_store: Callable[..., tierstore.TierStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ Planning off the training thread ] (issue 32, item 3): a plan that
+    # needs a search never stalls a step, the first one included. Here the
+    # search is held until the test lets it go: the steps go on meanwhile, on
+    # the safe placement and with no recorder, and the plan is switched to at
+    # the first step boundary after it is ready.
+    monkeypatch.setattr(PlanRunner, "first_plan_at_once", False)
+    release = threading.Event()
+    searched = threading.Event()
+    real = plans.make_plan
+
+    def held(profile: Profile, budget: int) -> Plan:
+        searched.set()
+        assert release.wait(60)
+        return real(profile, budget)
+
+    monkeypatch.setattr(plans, "make_plan", held)
+    store = budget_store(0.3)
+    runner = store._runner
+    assert runner is not None
+    model = _model()
+    grads, recorded = [], []
+    for step in range(5):
+        with store.offload():
+            recorded.append(hooks._local.recorder is not None)
+            grads.append(_step(model, step))
+        if step == 3:
+            assert searched.is_set() and store.plan() is None  # steps 2-3 ran on meanwhile
+    assert recorded[2:] == [False, False, False]  # waiting: no profile, no recorder
+    release.set()
+    runner._remaking.join(60)  # type: ignore[union-attr]
+    for step in range(5, 7):
+        with store.offload():
+            grads.append(_step(model, step))
+    plan = store.plan()
+    assert plan is not None and plan.steps >= 1  # switched to at a boundary, then run
+    _same(grads, _run(None, 7))

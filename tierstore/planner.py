@@ -757,6 +757,19 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
     )
 
 
+def fits_everything(profile: Profile, budget_bytes: int) -> bool:
+    """Whether keeping every save fits ``budget_bytes``: a plan made without a search.
+
+    Example:
+        >>> from tierstore.planner import Profile, Save, fits_everything
+        >>> p = Profile((Save(1000, "aten.mm", "m", 0.0, 0.0),), 1.0, 1.0, 0.0, 1e9, 1e9, 1000)
+        >>> fits_everything(p, 1000), fits_everything(p, 999)
+        (True, False)
+    """
+    keep: tuple[Choice, ...] = ("keep",) * len(profile.saves)
+    return simulate(profile, keep, profile.window_bytes).peak_bytes <= budget_bytes
+
+
 def floor_bytes(profile: Profile) -> int:
     """The lowest peak the step can reach, whatever the budget (NOTE [ The floor ]).
 

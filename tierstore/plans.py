@@ -25,7 +25,15 @@ from typing import Any, Literal, Protocol
 
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.pipeline import LinkClock
-from tierstore.planner import Choice, Plan, Profile, Save, make_plan, simulate
+from tierstore.planner import (
+    Choice,
+    Plan,
+    Profile,
+    Save,
+    fits_everything,
+    make_plan,
+    simulate,
+)
 
 __all__ = ["HostTimer", "PlanRunner", "Timer", "budget_bytes"]
 
@@ -99,10 +107,13 @@ __all__ = ["HostTimer", "PlanRunner", "Timer", "budget_bytes"]
 # NOTE [ Planning off the training thread ]
 # make_plan searches: each move it weighs is a simulation of the whole step,
 # seconds for a step of hundreds of saves. A step must never wait for that.
-# The first plan of a shape of step is made where its profile ends (once,
-# as a compiler compiles once); every later one runs on a thread of its own
-# while the steps go on under the plan they have, and the runner switches
-# to it at the first step boundary after it is ready. The planner gives the
+# A plan that keeps everything needs no search (nothing is faster than
+# keeping), so it is made at once, where the profile ends. Any other plan,
+# the first of a shape of step as well as a remade one, runs on a thread of
+# its own while the steps go on: under the plan they have, or, before the
+# first, on the safe placement (NOTE [ Planned steps ]) without the profile's
+# recording and timing; the runner switches to the new plan at the first
+# step boundary after it is ready. The planner gives the
 # interpreter lock up between simulations (time.sleep(0)), so the training
 # thread's Python waits one simulation at most. A check that finds the
 # prediction off re-plans only when the choices could change: a step slower
@@ -377,6 +388,8 @@ class _Step:
     kept_used: int = 0  # bytes of plan-kept saves backward has used (NOTE [ Saves that stay ])
     compiled_bytes: int = 0  # handed over by compiled regions (NOTE [ A peak above the budget ])
     compiled_in: set[str] = field(default_factory=set)  # the modules of those saves
+    waiting: bool = False  # the safe placement while the first plan is made off the thread
+    largest: int = 0  # the largest save so far
 
 
 class PlanRunner:
@@ -396,6 +409,10 @@ class PlanRunner:
         >>> runner.plan is None, runner.choose(1024)
         (True, None)
     """
+
+    #: Make a shape's first plan where its profile ends, even one that needs a
+    #: search (the steps wait for it): for tests that count steps to it.
+    first_plan_at_once = False
 
     def __init__(
         self,
@@ -454,13 +471,18 @@ class PlanRunner:
     def planned(self) -> bool:
         """Whether the step under way follows a plan (and has not left it)."""
         step = self._step
-        return step is not None and not step.profiling and step.deviated_at is None
+        return (
+            step is not None
+            and not step.profiling
+            and not step.waiting
+            and step.deviated_at is None
+        )
 
     @property
     def will_profile(self) -> bool:
         """Whether the step under way, or the next one to begin, is profiled."""
         step = self._step
-        return step.profiling if step is not None else self.plan is None
+        return step.profiling if step is not None else self._profile_next()
 
     @property
     def will_time(self) -> bool:
@@ -513,7 +535,7 @@ class PlanRunner:
         if self.planned:
             assert self.plan is not None
             return self.plan.window_bytes
-        if not step.profiling or not isinstance(self.budget, float):
+        if not (step.profiling or step.waiting) or not isinstance(self.budget, float):
             return None
         return max(int(self.budget * step.saved_bytes) - adding, 0)
 
@@ -549,12 +571,20 @@ class PlanRunner:
         step = self._step
         if bound is None or self.planned or step is None:
             return bound
-        largest = max((row.nbytes for row in step.rows), default=0)
-        return max(bound - held - largest, 0)
+        return max(bound - held - step.largest, 0)
+
+    def _profile_next(self) -> bool:
+        """Whether a step beginning now is profiled (NOTE [ Planned steps ])."""
+        if self._remade is not None or (self._remaking is not None and self._remaking.is_alive()):
+            return (
+                False  # a plan is ready or on its way (NOTE [ Planning off the training thread ])
+            )
+        return self.plan is None or self._unseen is not None
 
     def _begin(self) -> _Step:
-        profiling = self.plan is None or self._unseen is not None
+        profiling = self._profile_next()
         step = _Step(time.perf_counter(), profiling, waits_at_start=self._now_waits())
+        step.waiting = not profiling and self.plan is None
         if profiling:  # NOTE [ Timing a profile ]
             event = self._events() if self._events is not None else None
             step.timer = (
@@ -587,6 +617,10 @@ class PlanRunner:
                 return self.plan.choices[index]  # type: ignore[union-attr]
         if step.profiling and index == 0 and self._unseen == "first" and self._switch(0, nbytes):
             step.profiling = False  # a kept shape after all: no profile needed
+        if step.waiting:  # NOTE [ Planning off the training thread ]: the safe placement
+            step.saved_bytes += nbytes
+            step.largest = max(step.largest, nbytes)
+            return None
         if step.profiling or step.deviated_at is not None:
             return None
         assert self.plan is not None
@@ -640,6 +674,7 @@ class PlanRunner:
         step = self._step if self._step is not None else self._begin()
         if step.profiling:
             step.fixed_bytes += nbytes
+        if step.profiling or step.waiting:
             step.saved_bytes += nbytes
 
     def saved(
@@ -673,6 +708,7 @@ class PlanRunner:
         if not again:
             step.row_of_key[key] = len(step.rows)
             step.saved_bytes += nbytes
+            step.largest = max(step.largest, nbytes)
             if compiled:
                 step.compiled_bytes += nbytes
                 step.compiled_in.add(module)
@@ -748,6 +784,8 @@ class PlanRunner:
                 self._warmed = True  # lazy initialisation, first allocations: not the step
                 return None
             return self._plan_from(step, total)
+        if step.waiting:  # ran on the safe placement while the first plan was made
+            return adopted
         if step.deviated_at is not None:  # a shape no kept plan has (NOTE [ Planned steps ])
             self._unseen = "first" if step.deviated_at == 0 else "any"
             return None
@@ -769,9 +807,9 @@ class PlanRunner:
         if remade is None:
             return None
         expected, plan, line = remade
-        if expected == self._expected:
-            self._use(expected, plan)
-        elif expected in self._plans:
+        if expected == self._expected or expected not in self._plans:
+            self._use(expected, plan)  # a new shape's first plan, too
+        else:
             self._plans[expected] = plan
         return line
 
@@ -785,9 +823,10 @@ class PlanRunner:
         busy = isinstance(step.timer, BusyTimer) and step.timer.device
         forward = seconds(step.backward_at)
         backward = max(seconds(step.last_use) - forward, 1e-9)
-        self._expected = tuple(r.nbytes for r in rows)
-        self._checks.pop(self._expected, None)  # a new profile: its plan is checked afresh
-        self._compiled[self._expected] = (step.compiled_bytes, len(step.compiled_in))
+        # Not the runner's until its plan is: a plan made off the thread comes later.
+        expected = tuple(r.nbytes for r in rows)
+        self._checks.pop(expected, None)  # a new profile: its plan is checked afresh
+        self._compiled[expected] = (step.compiled_bytes, len(step.compiled_in))
         self._unseen = None
         saves = tuple(
             Save(
@@ -839,38 +878,46 @@ class PlanRunner:
             moved_s_per_byte=per_byte,
             shared_link=not step.cuda,
         )
-        return self._make(profile, "made")
+        return self._make(profile, "made", expected=expected)
 
-    def _make(self, profile: Profile, verb: str, budget: int | None = None) -> str:
-        if budget is None:
-            budget = budget_bytes(self.budget, profile.saved_bytes)
-        plan = make_plan(profile, budget)
-        self._use(self._expected, plan)
-        return self._made(plan, verb)
+    def _make(
+        self,
+        profile: Profile,
+        verb: str,
+        budget: int | None = None,
+        expected: tuple[int, ...] | None = None,
+    ) -> str | None:
+        """A plan for ``profile`` (NOTE [ Planning off the training thread ]): its INFO line.
 
-    def _remake(self, profile: Profile, budget: int | None = None) -> str | None:
-        """Make the plan again off the training thread (NOTE [ Planning off the training thread ]).
-
-        Without a background thread, at once: the INFO line. ``budget``: in
-        bytes, where the profile's saved bytes are no longer what a fraction
-        is of.
+        At once where everything fits (no search) or without a background
+        thread; otherwise off the thread, the steps going on meanwhile
+        (``None``: the line comes when the plan is adopted). ``expected``:
+        the sizes of the profile's saves, where not the plan's under way.
         """
-        if not self.background:
-            return self._make(profile, "remade", budget)
         if budget is None:
             budget = budget_bytes(self.budget, profile.saved_bytes)
+        if expected is None:
+            expected = self._expected
+        at_once = not self.background or (verb == "made" and self.first_plan_at_once)
+        if at_once or fits_everything(profile, budget):
+            plan = make_plan(profile, budget)
+            self._use(expected, plan)
+            return self._made(plan, verb)
         if self._remaking is not None and self._remaking.is_alive():
             return None  # one at a time: the check after it judges the new plan
-        expected = self._expected
 
-        def remake() -> None:
+        def make() -> None:
             plan = make_plan(profile, budget)
             if not self._closed:
-                self._remade = (expected, plan, self._made(plan, "remade"))
+                self._remade = (expected, plan, self._made(plan, verb))
 
-        self._remaking = threading.Thread(target=remake, name="tierstore-plan", daemon=True)
+        self._remaking = threading.Thread(target=make, name="tierstore-plan", daemon=True)
         self._remaking.start()
         return None
+
+    def _remake(self, profile: Profile, budget: int | None = None) -> str | None:
+        """Make the plan again (NOTE [ Planning off the training thread ])."""
+        return self._make(profile, "remade", budget)
 
     def _check_peak(self, peak: int) -> str | None:
         """NOTE [ A peak above the budget ]: re-plan once, then warn once."""
