@@ -1,0 +1,52 @@
+"""tierstore bench overhead: every row runs side by side, gradients checked, JSON written."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tierstore.bench import overhead
+from tierstore.bench.cli import add_bench_parser
+
+ROWS = ["none", "identity", "kept", "budget=1.0", "budget=0.5"]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *argv])
+
+
+def test_the_json_has_every_row_and_its_figures(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    quick = ["overhead", "--quick", "--layers", "6", "--width", "16", "--warmup", "4"]
+    args = _parse([*quick, "--json", str(out)])
+    assert overhead.run(args) == 0  # 1 where gradients differ
+    payload = json.loads(out.read_text())
+    rows = payload["rows"]
+    assert [r["name"] for r in rows] == ROWS
+    for row in rows:
+        assert row["grads_equal"] is True
+        assert len(row["steps_s"]) == len(row["cpu_steps_s"]) == 2 * 4  # --quick: 2 rounds of 4
+        assert all(t > 0 for t in row["steps_s"] + row["cpu_steps_s"])
+        assert {"us_per_save", "cpu_us_per_save", "mean_over_median", "max_over_median"} <= set(row)
+    by = {r["name"]: r for r in rows}
+    assert by["none"]["us_per_save"] == by["none"]["cpu_us_per_save"] == 0.0
+    assert by["kept"]["verdict"] in ("meets", "misses")
+    assert by["identity"]["verdict"] == ""
+    # The stores' statistics add up: after its first step (NOTE [ Saves that
+    # stay ] in store.py), every save of the kept row stayed where it was.
+    kept = by["kept"]["stats"]
+    assert kept["packed"] == 12 * kept["saves_per_step"]  # 4 warm-up and 8 timed steps
+    assert kept["kept"] >= kept["packed"] - kept["saves_per_step"]
+    assert by["budget=0.5"]["stats"]["bytes_written"] > by["budget=1.0"]["stats"]["bytes_written"]
+    left = [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor")]  # torch's
+    assert left == [out]  # the stores' spill directories are gone
+
+
+def test_the_table_fits_100_columns() -> None:
+    rows = [overhead.OverheadRow(name, [0.012, 0.011]) for name in ROWS]
+    table = overhead.report(rows)
+    assert max(len(line) for line in table.splitlines()) <= 100
+    assert table.splitlines()[0].split()[:4] == ["row", "median", "us/save", "cpu"]
