@@ -15,11 +15,12 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from tierstore.bench import train
+from tierstore.bench import train, train_measure, train_report, train_runs, train_strategies
 from tierstore.bench.cli import add_bench_parser
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.bench.report import Progress
 from tierstore.errors import TierstoreError
+from tierstore.hooks import TierStore
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -62,6 +63,7 @@ def test_every_strategy_matches_none_bitwise(
     assert _run([*argv, "--no-live-pass", "--json", str(out_json)]) == 0
 
     printed = capsys.readouterr().out
+    words = " ".join(printed.split())  # the description, whatever its line breaks
     table = printed[printed.index("\nstrategy ") + 1 :]
     # The headline, named, after the step time columns.
     assert re.match(r"strategy +step s +vs none +vs naive +peak RSS +vs none +vs naive ", table)
@@ -69,7 +71,7 @@ def test_every_strategy_matches_none_bitwise(
     for name in train.CPU_STRATEGIES:
         assert f"\n{name} " in table, name
     assert "gradients differ" not in printed
-    assert "every strategy in this one process" in printed
+    assert "every strategy in this one process" in words
 
     doc = json.loads(out_json.read_text())
     for key in ("benchmark", "command", "options", "machine", "torch", "settings", "model"):
@@ -153,9 +155,10 @@ def test_each_strategy_runs_in_a_fresh_process(
     monkeypatch.setattr(_Counting, "steps", [])
     out_json = tmp_path / "train.json"
     argv = ["--quick", "--steps", "2", "--quiet", "--dir", str(bench_dir)]
+    argv += ["--fresh-processes", "--live-pass"]  # --quick runs in this process without them
     assert _run([*argv, "--strategies", "none,tierstore-file", "--json", str(out_json)]) == 0
 
-    printed = capsys.readouterr().out
+    printed = " ".join(capsys.readouterr().out.split())  # whatever the line breaks
     assert "each strategy in a fresh process" in printed
     assert "live memory (M_MMAP_THRESHOLD=1MiB, a fresh process)" in printed
     assert "live peak" in printed
@@ -181,7 +184,7 @@ def test_each_strategy_runs_in_a_fresh_process(
     # The child's store statistics came back.
     assert offload["moved_per_step"] > 0 and offload["config"]["disk_backend"] == "file"
     # A step event per step: three per strategy, then the live pass's.
-    assert len(_Counting.steps) == 2 * 3 + 2 * train._LIVE_STEPS
+    assert len(_Counting.steps) == 2 * 3 + 2 * train_runs._LIVE_STEPS
     # The children's gradients, logs and spill files went with the scratch directory.
     assert list(bench_dir.iterdir()) == []
 
@@ -193,15 +196,15 @@ def test_a_fresh_process_with_other_gradients_is_reported(
     # its script. Its gradients come back through a safetensors file.
     off_by_a_bit = """
 import sys
-from tierstore.bench import train
-unpack = train._NaiveDisk._unpack
+from tierstore.bench import train_runs, train_strategies
+unpack = train_strategies._NaiveDisk._unpack
 def _unpack(self, temp_file):
     t = unpack(self, temp_file)
     return t + 1e-3 if t.is_floating_point() else t
-train._NaiveDisk._unpack = _unpack
-train._strategy_child(sys.argv[1])
+train_strategies._NaiveDisk._unpack = _unpack
+train_runs._strategy_child(sys.argv[1])
 """
-    monkeypatch.setattr(train, "_STRATEGY_CHILD", off_by_a_bit)
+    monkeypatch.setattr(train_runs, "_STRATEGY_CHILD", off_by_a_bit)
     settings = train.quick_settings(
         steps=1,
         warmup=0,
@@ -222,18 +225,18 @@ def test_gradients_are_compared_bitwise() -> None:
     reference = {"w": torch.randn(4, 4), "b": torch.zeros(4)}
     same = {name: t.clone() for name, t in reference.items()}
     result = train.StrategyResult("same")
-    train._compare_grads(result, reference, same)
+    train_measure._compare_grads(result, reference, same)
     assert (result.max_grad_diff, result.grads_bitwise_equal) == (0.0, True)
 
     ulp = dict(same, w=torch.nextafter(reference["w"], torch.full((4, 4), 10.0)))
     result = train.StrategyResult("ulp")
-    train._compare_grads(result, reference, ulp)
+    train_measure._compare_grads(result, reference, ulp)
     assert result.grads_bitwise_equal is False
     assert result.max_grad_diff is not None and 0 < result.max_grad_diff < 1e-6
 
     missing = {"w": reference["w"]}
     result = train.StrategyResult("missing")
-    train._compare_grads(result, reference, missing)
+    train_measure._compare_grads(result, reference, missing)
     assert (result.max_grad_diff, result.grads_bitwise_equal) == (float("inf"), False)
 
 
@@ -241,13 +244,13 @@ def test_a_strategy_with_other_gradients_is_reported(
     bench_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # disk-naive hands back a slightly different tensor: the check must see it.
-    unpack = train._NaiveDisk._unpack
+    unpack = train_strategies._NaiveDisk._unpack
 
     def off_by_a_bit(self: Any, temp_file: Any) -> torch.Tensor:
         t = unpack(self, temp_file)
         return t + 1e-3 if t.is_floating_point() else t
 
-    monkeypatch.setattr(train._NaiveDisk, "_unpack", off_by_a_bit)
+    monkeypatch.setattr(train_strategies._NaiveDisk, "_unpack", off_by_a_bit)
     argv = ["--quick", "--steps", "1", "--warmup", "0", "--quiet", "--dir", str(bench_dir)]
     argv += ["--in-process", "--no-live-pass", "--strategies", "none,disk-naive"]
     assert _run(argv) == 1
@@ -261,7 +264,7 @@ def test_gradients_are_compared_on_the_last_step(
 ) -> None:
     # A difference in the warm-up step only still shows: the weights it
     # updated differ in every later step.
-    class OnceOff(train._NaiveDisk):
+    class OnceOff(train_strategies._NaiveDisk):
         calls = 0
 
         def _unpack(self, temp_file: Any) -> torch.Tensor:
@@ -273,7 +276,7 @@ def test_gradients_are_compared_on_the_last_step(
             OnceOff.calls += 1
             return t * 1.5 if OnceOff.calls <= 10 and t.is_floating_point() else t
 
-    monkeypatch.setattr(train, "_NaiveDisk", OnceOff)
+    monkeypatch.setattr(train_strategies, "_NaiveDisk", OnceOff)
     settings = train.quick_settings(
         steps=1,
         warmup=1,
@@ -299,7 +302,7 @@ _FAILING_CHILD = "import sys; print('it went wrong', file=sys.stderr); sys.exit(
 def test_a_failing_child_says_why(
     bench_dir: Path, monkeypatch: pytest.MonkeyPatch, script: str, isolate: bool, what: str
 ) -> None:
-    monkeypatch.setattr(train, script, _FAILING_CHILD)
+    monkeypatch.setattr(train_runs, script, _FAILING_CHILD)
     settings = train.quick_settings(
         steps=1, warmup=0, strategies=("none",), directory=str(bench_dir), isolate=isolate
     )
@@ -322,10 +325,10 @@ def test_cpu_targets_are_issue_11s() -> None:
         _row("disk-naive", 3.0, 100),
         _row("tierstore-file", 1.05, 200, prefetch={"hit_rate": 0.97}),
     ]
-    train._add_ratios(rows)
+    train_report._add_ratios(rows)
     got = {
         t["check"]: (t["value"], t["op"], t["target"], t["met"])
-        for t in train._targets(rows, False)
+        for t in train_report._targets(rows, False)
     }
     assert got == {
         "peak RSS vs none": (pytest.approx(0.2), "<=", 0.25, True),
@@ -337,8 +340,8 @@ def test_cpu_targets_are_issue_11s() -> None:
     }
     # Without the rivals in the run, their checks are there, not measured.
     alone = [_row("none", 1.0, 1000), _row("tierstore-lmdb", 1.0, 200)]
-    train._add_ratios(alone)
-    verdicts = {t["check"]: t["met"] for t in train._targets(alone, False)}
+    train_report._add_ratios(alone)
+    verdicts = {t["check"]: t["met"] for t in train_report._targets(alone, False)}
     assert verdicts["peak RSS vs checkpoint"] is None
     assert verdicts["peak RSS vs disk-naive"] is None
     assert verdicts["prefetch hit rate after warm-up"] is None
@@ -347,21 +350,22 @@ def test_cpu_targets_are_issue_11s() -> None:
 def _cpu_report(saved: int) -> train.TrainReport:
     # tierstore-file misses its memory and time targets by far, as on --quick's model.
     rows = [_row("none", 0.01, 6 << 20), _row("tierstore-file", 0.35, 9 << 20)]
-    train._add_ratios(rows)
+    train_report._add_ratios(rows)
     model = {"device": "cpu", "saved_activation_bytes_per_step": saved}
     return train.TrainReport(
-        rows=rows, settings={}, targets=train._targets(rows, False), model=model
+        rows=rows, settings={}, targets=train_report._targets(rows, False), model=model
     )
 
 
 def test_a_small_model_says_its_ratios_are_fixed_costs_and_checks_only_gradients() -> None:
     # NOTE [ Targets at size ]
     printed = train.format_train(_cpu_report(3 << 20))
-    assert printed.startswith(
+    words = " ".join(printed.split())  # the note, whatever its line breaks
+    assert words.startswith(
         "A small model (3.0 MiB of saved activations per step, a 10 ms step under none): "
         "its step-time and memory ratios measure fixed costs"
     )
-    assert printed.index("not checked here") < printed.index("strategy ")
+    assert words.index("not checked here") < words.index("strategy ")
     assert "MISSED" not in printed
     assert printed.splitlines()[-1] == (
         "tierstore-file: max |grad diff| vs none 0 (target <= 0: met)"
@@ -379,7 +383,7 @@ def test_recompute_rows_run_beside_their_store_in_fresh_processes(
 ) -> None:
     out_json = tmp_path / "train.json"
     argv = ["--quick", "--steps", "2", "--quiet", "--dir", str(bench_dir), "--no-live-pass"]
-    argv += ["--strategies", "none,tierstore-file", "--recompute", "off,cheap"]
+    argv += ["--fresh-processes", "--strategies", "none,tierstore-file", "--recompute", "off,cheap"]
     assert _run([*argv, "--json", str(out_json)]) == 0
     printed = capsys.readouterr().out
     assert "\ntierstore-file+recompute " in printed
@@ -408,10 +412,10 @@ def test_recompute_targets_are_issue_13s() -> None:
         _row("tierstore-lmdb", 2.0, 400, moved_per_step=100.0),
         _row("tierstore-lmdb+recompute", 2.2, 380, moved_per_step=70.0),
     ]
-    train._add_ratios(rows)
+    train_report._add_ratios(rows)
     got = {
         t["check"]: (t["value"], t["target"], t["met"])
-        for t in train._targets(rows, False)
+        for t in train_report._targets(rows, False)
         if t["strategy"] == "tierstore-lmdb+recompute"
     }
     assert got == {
@@ -428,8 +432,8 @@ def test_cuda_report_names_reserved_and_allocated() -> None:
         _row("save_on_cpu", 1.1, 400, peak_allocated_bytes=300),
         _row("tierstore-host", 1.03, 300, peak_allocated_bytes=350),
     ]
-    train._add_ratios(rows)
-    targets = train._targets(rows, True)
+    train_report._add_ratios(rows)
+    targets = train_report._targets(rows, True)
     got = {t["check"]: (t["target"], t["met"]) for t in targets}
     assert got == {
         "step time vs none": (1.04, True),
@@ -439,15 +443,19 @@ def test_cuda_report_names_reserved_and_allocated() -> None:
     }
     model = {"device": "cuda", "saved_activation_bytes_per_step": 2 << 30}
     report = train.TrainReport(rows=rows, settings={}, targets=targets, model=model)
-    header = train.format_train(report).splitlines()[0]
+    printed = train.format_train(report)
+    header = printed.splitlines()[0]
     assert re.match(r"strategy +step s +vs none +vs naive +reserved +vs none +vs naive ", header)
-    assert "allocated" in header and "RSS" not in header and "live" not in header
+    assert "RSS" not in printed and "live" not in printed
+    # Allocated beside the headline, in the second table.
+    beside = printed.split("\n\n")[1].splitlines()[0]
+    assert re.match(r"strategy +allocated +disk peak ", beside)
 
 
 def test_peak_memory_sees_a_step_that_allocates(bench_dir: Path) -> None:
     # A strategy that holds 64 MiB more during its forward must show it: the
     # sampler and the malloc_trim baseline work.
-    class Hog(train._Strategy):
+    class Hog(train_strategies._Strategy):
         @contextlib.contextmanager
         def forward(self) -> Iterator[None]:
             ballast = torch.ones(16 << 20)  # 64 MiB, written, so resident
@@ -459,9 +467,9 @@ def test_peak_memory_sees_a_step_that_allocates(bench_dir: Path) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=128, d_model=64, heads=2, layers=2, seq=64))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    bench = train._Bench(settings, model, torch.device("cpu"), bench_dir, 1 << 26)
+    bench = train_measure._Bench(settings, model, torch.device("cpu"), bench_dir, 1 << 26)
     try:
-        plain = [bench._step(train._Strategy("none"), opt, i)[1].above for i in range(3)]
+        plain = [bench._step(train_strategies._Strategy("none"), opt, i)[1].above for i in range(3)]
         hog = [bench._step(Hog("hog"), opt, i)[1].above for i in range(3)]
     finally:
         bench.close()
@@ -492,6 +500,11 @@ def test_quick_picks_a_tiny_model_and_flags_win() -> None:
     # The old name of the flag skips the same (live) pass, and only it.
     s = train.settings_from_args(_parse(["--no-memory-pass"]))
     assert (s.isolate, s.live_pass) == (True, False)
+    # --quick runs in this process without the live pass, unless told otherwise.
+    s = train.settings_from_args(_parse(["--quick"]))
+    assert (s.isolate, s.live_pass) == (False, False)
+    s = train.settings_from_args(_parse(["--quick", "--fresh-processes", "--live-pass"]))
+    assert (s.isolate, s.live_pass) == (True, True)
 
 
 @pytest.mark.parametrize(
@@ -603,14 +616,14 @@ def test_budget_and_prefix_rows_match_none_bitwise_and_report_the_plan(tmp_path:
         report.row("budget=0.5").median_step_s / plan["predicted_step_s"]
     )
     assert sum(plan["bytes"].values()) > 0
-    printed = train.format_train(report)
+    printed = " ".join(train.format_train(report).split())
     assert "budget=0.5: planned keep " in printed
     assert "saved bytes resident at peak predicted " in printed
 
 
 def test_a_budget_row_without_a_plan_says_n_a() -> None:
     row = train.StrategyResult("budget=0.5", median_step_s=0.1)
-    assert train._format_plan(row) == "budget=0.5: plan n/a (the store made none)"
+    assert train_report._format_plan(row) == "budget=0.5: plan n/a (the store made none)"
 
 
 def test_the_sweep_writes_its_curve(tmp_path: Path) -> None:
@@ -648,8 +661,8 @@ def test_every_strategy_runs_the_same_samplers_and_no_timed_step_polls_a_store(
     periods: dict[str, list[list[float]]] = {}
     now: list[tuple[str, int]] = []
     polled: list[tuple[str, int]] = []
-    real_step, real_start = train._Bench._step, train._Sampler.start
-    real_stats = train.TierStore.stats
+    real_step, real_start = train_measure._Bench._step, train_measure._Sampler.start
+    real_stats = TierStore.stats
 
     def step(self: Any, strategy: Any, opt: Any, step: int, *args: Any, **kwargs: Any) -> Any:
         now[:] = [(strategy.name, step)]
@@ -665,9 +678,9 @@ def test_every_strategy_runs_the_same_samplers_and_no_timed_step_polls_a_store(
             polled.append(now[0])
         return real_stats(self)
 
-    monkeypatch.setattr(train._Bench, "_step", step)
-    monkeypatch.setattr(train._Sampler, "start", start)
-    monkeypatch.setattr(train.TierStore, "stats", stats)
+    monkeypatch.setattr(train_measure._Bench, "_step", step)
+    monkeypatch.setattr(train_measure._Sampler, "start", start)
+    monkeypatch.setattr(TierStore, "stats", stats)
     settings = train.quick_settings(
         steps=2,
         warmup=1,
@@ -680,7 +693,8 @@ def test_every_strategy_runs_the_same_samplers_and_no_timed_step_polls_a_store(
     assert [r.name for r in report.rows] == ["none", "checkpoint", "tierstore-file"]
     # Per step, the same samplers at the same periods, whatever the strategy:
     # memory in every step, the tiers in the warm-up step.
-    each = [[train._SAMPLE_S, train._TIER_SAMPLE_S], [train._SAMPLE_S], [train._SAMPLE_S]]
+    fast, slow = train_measure._SAMPLE_S, train_measure._TIER_SAMPLE_S
+    each = [[fast, slow], [fast], [fast]]
     assert periods == {name: each for name in ("none", "checkpoint", "tierstore-file")}
     # The store was polled, in its warm-up step only (step 0).
     assert polled and set(polled) == {("tierstore-file", 0)}
@@ -704,7 +718,10 @@ def test_budget_targets_are_issue_21s() -> None:
         row("budget=0.25", 1.2, 390, budget_bytes=250, measured_vs_predicted=1.15),
         row("budget=0.1", 3.0, 660, budget_bytes=100, measured_vs_predicted=0.8),
     ]
-    got = {(t["strategy"], t["check"]): (t["value"], t["met"]) for t in train._targets(rows, False)}
+    got = {
+        (t["strategy"], t["check"]): (t["value"], t["met"])
+        for t in train_report._targets(rows, False)
+    }
     peak = "peak RSS vs checkpoint's + the budget's share of none's"
     assert got[("budget=0.25", peak)] == (pytest.approx(390 / 650), True)
     assert got[("budget=0.1", peak)] == (pytest.approx(660 / 500), False)
@@ -716,15 +733,17 @@ def test_budget_targets_are_issue_21s() -> None:
     vs = "the larger of peak RSS and step time vs {}, lowest of the budgets"
     assert got[("budget=0.25", vs.format("checkpoint"))] == (pytest.approx(390 / 400), True)
     assert got[("budget=0.25", vs.format("disk-naive"))] == (pytest.approx(390 / 200), False)
-    line = train._format_target(
-        next(t for t in train._targets(rows, False) if t["check"] == predicted)
+    line = train_report._format_target(
+        next(t for t in train_report._targets(rows, False) if t["check"] == predicted)
     )
     assert (
         line
         == "budget=0.25: step time vs the plan's prediction 1.15x (target within 1 ± 0.15x: met)"
     )
     # On CUDA, the gradients only.
-    assert {t["check"] for t in train._targets(rows[3:], True)} == {"max |grad diff| vs none"}
+    assert {t["check"] for t in train_report._targets(rows[3:], True)} == {
+        "max |grad diff| vs none"
+    }
 
 
 def test_help_lists_every_strategy_form_and_never_splits_a_name(
