@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -629,18 +630,19 @@ class _ModuleNames:
         """The modules whose forward runs now, outermost first; notes :attr:`compiled`."""
         chain: list[torch.nn.Module] = []
         compiled = False
-        frame = sys._getframe(2)
+        frame: types.FrameType | None = sys._getframe(2)
         while frame is not None:
             code = frame.f_code
             if code in _CALL_CODES:
                 module = frame.f_locals.get("self")
                 if isinstance(module, torch.nn.Module):
-                    module = getattr(module, "_orig_mod", module)  # torch.compile's wrapper
-                    if not chain or chain[-1] is not module:
-                        chain.append(module)
+                    # torch.compile's wrapper stands for the module it wraps.
+                    inner = getattr(module, "_orig_mod", module)
+                    if not chain or chain[-1] is not inner:
+                        chain.append(inner)
             elif not compiled and _COMPILED_RUNTIME in code.co_filename:
                 compiled = True
-            frame = frame.f_back  # type: ignore[assignment]
+            frame = frame.f_back
         chain.reverse()
         #: Whether the last name was read under a compiled region's runtime.
         self.compiled = compiled

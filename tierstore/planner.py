@@ -766,8 +766,7 @@ def fits_everything(profile: Profile, budget_bytes: int) -> bool:
         >>> fits_everything(p, 1000), fits_everything(p, 999)
         (True, False)
     """
-    keep: tuple[Choice, ...] = ("keep",) * len(profile.saves)
-    return simulate(profile, keep, profile.window_bytes).peak_bytes <= budget_bytes
+    return simulate(profile, _all(profile, "keep"), profile.window_bytes).peak_bytes <= budget_bytes
 
 
 def floor_bytes(profile: Profile) -> int:
