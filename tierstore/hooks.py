@@ -1090,6 +1090,8 @@ class TierStore:
         self._manager.count_kept(size, nbytes)  # type: ignore[arg-type]
         if self._runner is not None and nbytes in ("keep", "min_offload_bytes"):
             self._runner.kept_fixed(size)  # activations it keeps
+        if _local.recorder is None and _local.region_recorder is None:
+            return _Kept(t.detach(), t._version)  # no recorder to tell: a parameter's usual way
         return _kept_noted(t)
 
     def _pack_stored(self, t: torch.Tensor, nbytes: int, tier: Tier | None) -> Handle | Recipe:
