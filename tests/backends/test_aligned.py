@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import doctest
 import mmap
+import os
 import re
 import threading
 import time
@@ -193,3 +194,39 @@ def test_large_writable_copies_run_without_the_gil(monkeypatch: pytest.MonkeyPat
     copy(memoryview(bytearray(big)), memoryview(b"z" * big))  # read-only: slice assignment
     copy(memoryview(bytearray(100)), memoryview(bytearray(100)))  # small: slice assignment
     assert calls == [big]
+
+
+def _vm_flags(address: int) -> list[str]:
+    # The VmFlags of the mapping that holds ``address`` (Linux /proc/self/smaps).
+    inside = False
+    with open("/proc/self/smaps", encoding="utf-8") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.exists("/proc/self/smaps"),
+    reason="transparent huge pages are a Linux feature",
+)
+def test_large_buffers_ask_for_huge_pages_small_ones_do_not() -> None:
+    # NOTE [ Huge pages for I/O buffers ]: "hg" is VM_HUGEPAGE, set by madvise.
+    probe = mmap.mmap(-1, _aligned._HUGE_MIN, flags=_aligned.PRIVATE)
+    try:
+        probe.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pytest.skip("this kernel has no transparent huge pages")
+    finally:
+        probe.close()
+    large, small = AlignedBuffer(_aligned._HUGE_MIN), AlignedBuffer(_aligned._HUGE_MIN // 2)
+    try:
+        assert "hg" in _vm_flags(large.address)
+        assert "hg" not in _vm_flags(small.address)
+    finally:
+        large.close()
+        small.close()
