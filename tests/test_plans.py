@@ -1145,14 +1145,16 @@ def test_the_first_plan_is_made_off_the_thread_while_steps_go_on(
     monkeypatch.setattr(PlanRunner, "first_plan_at_once", False)
     release = threading.Event()
     searched = threading.Event()
-    real = plans.make_plan
+    real = plans.PlanningProcess.plan
+    workers: list[plans.PlanningProcess] = []
 
-    def held(profile: Profile, budget: int) -> Plan:
+    def held(self: plans.PlanningProcess, profile: Profile, budget: int) -> Plan:
+        workers.append(self)
         searched.set()
         assert release.wait(60)
-        return real(profile, budget)
+        return real(self, profile, budget)  # made in the planning process
 
-    monkeypatch.setattr(plans, "make_plan", held)
+    monkeypatch.setattr(plans.PlanningProcess, "plan", held)
     store = budget_store(0.3)
     runner = store._runner
     assert runner is not None
@@ -1173,3 +1175,8 @@ def test_the_first_plan_is_made_off_the_thread_while_steps_go_on(
     plan = store.plan()
     assert plan is not None and plan.steps >= 1  # switched to at a boundary, then run
     _same(grads, _run(None, 7))
+    # The plan came from a process of the store's own, which its close ends.
+    process = workers[0]._process
+    assert process is not None and process.poll() is None
+    store.close()
+    assert process.wait(10) is not None and workers[0]._process is None

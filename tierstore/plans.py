@@ -15,7 +15,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pickle
 import statistics
+import struct
+import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -23,6 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
+from tierstore import planner
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.pipeline import LinkClock
 from tierstore.planner import (
@@ -35,7 +42,7 @@ from tierstore.planner import (
     simulate,
 )
 
-__all__ = ["HostTimer", "PlanRunner", "Timer", "budget_bytes"]
+__all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"]
 
 # NOTE [ Planned steps ]
 # With activation_budget set, every step is one of two kinds:
@@ -111,13 +118,21 @@ __all__ = ["HostTimer", "PlanRunner", "Timer", "budget_bytes"]
 # seconds for a step of hundreds of saves. A step must never wait for that.
 # A plan that keeps everything needs no search (nothing is faster than
 # keeping), so it is made at once, where the profile ends. Any other plan,
-# the first of a shape of step as well as a remade one, runs on a thread of
-# its own while the steps go on: under the plan they have, or, before the
-# first, on the safe placement (NOTE [ Planned steps ]) without the profile's
-# recording and timing; the runner switches to the new plan at the first
-# step boundary after it is ready. The planner gives the
-# interpreter lock up between simulations (time.sleep(0)), so the training
-# thread's Python waits one simulation at most. A check that finds the
+# the first of a shape of step as well as a remade one, is made in a process
+# of its own (PlanningProcess: the planner module alone, a pickle of the
+# profile in and of the plan out, at a lower priority) while the steps go
+# on: under the plan they have, or, before the first, on the safe placement
+# (NOTE [ Planned steps ]) without the profile's recording and timing; the
+# runner switches to the new plan at the first step boundary after it is
+# ready. Not a thread: a search holds the interpreter lock for milliseconds
+# at a time, and the training thread, which gives the lock up around every
+# torch op, waited up to the switch interval (5 ms) to get it back after
+# each one. On the 2-core VM, the 600-save chain of bench overhead ran its
+# steps at 1.5-2.6 s beside a planning thread, 0.5-0.7 s beside the
+# process, 0.13 s planned. A thread of the store's waits on the process's
+# pipe, which holds no lock; where no process can be started, it plans
+# itself, giving the lock up between simulations (time.sleep(0)). A check
+# that finds the
 # prediction off re-plans only when the choices could change: a step slower
 # than predicted because the moved bytes cost more than the profile said
 # (moved_s_per_byte) reweighs offload against rebuild; a step faster or
@@ -128,8 +143,9 @@ __all__ = ["HostTimer", "PlanRunner", "Timer", "budget_bytes"]
 # in a row (at once if off by FAR_OFF): a machine whose steps jitter by 15%
 # does not re-plan on jitter.
 # The thread is a daemon that holds nothing but numbers; close() drops its
-# result. Tests and the bench pass background=False to make plans where the
-# check runs.
+# result and ends the process, which also ends when its input closes (the
+# store's process gone). Tests pass background=False to make plans where the
+# check runs, or set first_plan_at_once to count steps to the first plan.
 
 # NOTE [ Timing a profile ]
 # A profile's times are when each save was made and first used, and what
@@ -394,6 +410,92 @@ class _Step:
     largest: int = 0  # the largest save so far
 
 
+#: What the planning process runs: the planner module alone, under its own
+#: name so pickles of its classes mean the same on both sides, without the
+#: package's __init__ (which imports torch). It reads (profile, budget)
+#: pickles and writes plans, one at a time, until its input closes.
+_WORKER = r"""
+import os, pickle, struct, sys, types
+package = types.ModuleType("tierstore")
+package.__path__ = [sys.argv[1]]
+sys.modules["tierstore"] = package
+from tierstore.planner import make_plan
+try:
+    os.nice(10)
+except OSError:
+    pass
+read, write = sys.stdin.buffer, sys.stdout.buffer
+while True:
+    head = read.read(8)
+    if len(head) < 8:
+        break
+    profile, budget = pickle.loads(read.read(struct.unpack("<Q", head)[0]))
+    out = pickle.dumps(make_plan(profile, budget), pickle.HIGHEST_PROTOCOL)
+    write.write(struct.pack("<Q", len(out)) + out)
+    write.flush()
+"""
+
+
+class PlanningProcess:
+    """A process of its own that makes plans (NOTE [ Planning off the training thread ]).
+
+    Started on first use; :meth:`close` ends it (idempotent). ``plan`` blocks
+    the calling thread, not the interpreter: it waits on a pipe.
+
+    Example:
+        >>> from tierstore.planner import Profile, Save
+        >>> from tierstore.plans import PlanningProcess
+        >>> p = Profile((Save(1000, "aten.mm", "m", 0.0, 0.0),), 1.0, 1.0, 0.0, 1e9, 1e9, 1000)
+        >>> worker = PlanningProcess()
+        >>> worker.plan(p, 10).floor_bytes
+        1000
+        >>> worker.close(); worker.close()
+    """
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def plan(self, profile: Profile, budget: int) -> Plan:
+        """``make_plan(profile, budget)``, made in the planning process."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("tierstore: the planning process was closed")
+            process = self._process
+            if process is None or process.poll() is not None:
+                process = self._process = subprocess.Popen(
+                    [sys.executable, "-c", _WORKER, os.path.dirname(planner.__file__)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    close_fds=True,
+                )
+            assert process.stdin is not None and process.stdout is not None
+            data = pickle.dumps((profile, budget), pickle.HIGHEST_PROTOCOL)
+            process.stdin.write(struct.pack("<Q", len(data)) + data)
+            process.stdin.flush()
+            head = process.stdout.read(8)
+            if len(head) < 8:
+                raise RuntimeError("tierstore: the planning process ended without a plan")
+            made: Plan = pickle.loads(process.stdout.read(struct.unpack("<Q", head)[0]))
+        return replace(made, profile=profile)
+
+    def close(self) -> None:
+        """End the process. Idempotent."""
+        self._closed = True
+        process, self._process = self._process, None
+        if process is None:
+            return
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        if process.poll() is None:
+            process.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=5)
+
+
 class PlanRunner:
     """Profiles, plans and applies an activation budget (NOTE [ Planned steps ]).
 
@@ -435,6 +537,7 @@ class PlanRunner:
         # The device link's clocks (device to host, host to device): timed copies.
         self._device_links = device_links
         self._remaking: threading.Thread | None = None
+        self._planning: PlanningProcess | None = None  # NOTE [ Planning off the training thread ]
         self._remade: tuple[tuple[int, ...], Plan, str] | None = None
         self._closed = False
         self.budget = config.activation_budget
@@ -798,10 +901,22 @@ class PlanRunner:
         self.plan.steps += 1
         return self._refit(total) or self._check_peak(peak_bytes) or adopted
 
+    def _process(self) -> PlanningProcess:
+        """The planning process, created on first use."""
+        if self._planning is None:
+            self._planning = PlanningProcess()
+        return self._planning
+
     def close(self) -> None:
-        """Drop a plan still being made (NOTE [ Planning off the training thread ]). Idempotent."""
+        """Drop a plan still being made and end the planning process. Idempotent.
+
+        NOTE [ Planning off the training thread ].
+        """
         self._closed = True
         self._remade = None
+        planning, self._planning = self._planning, None
+        if planning is not None:
+            planning.close()
 
     def _adopt(self) -> str | None:
         """Switch to a plan remade off the training thread, if one is ready: its INFO line."""
@@ -909,7 +1024,12 @@ class PlanRunner:
             return None  # one at a time: the check after it judges the new plan
 
         def make() -> None:
-            plan = make_plan(profile, budget)
+            try:
+                plan = self._process().plan(profile, budget)
+            except (OSError, RuntimeError, pickle.PickleError):
+                if self._closed:
+                    return
+                plan = make_plan(profile, budget)  # no process to be had: this thread
             if not self._closed:
                 self._remade = (expected, plan, self._made(plan, verb))
 
