@@ -1125,6 +1125,11 @@ def test_the_table_has_a_row_per_block_under_offload_module(
     x = torch.randn(16, 32)
     for _ in range(4):
         model(x).square().mean().backward()
+        # A block that rebuilds records inside it; offload_module's forward
+        # hook closes the store's block before the recording's own hook
+        # ends it: nothing may be left recording.
+        assert hooks._local.recorder is None
+        assert torch._C._len_torch_dispatch_stack() == 0
     for h in handles:
         h.remove()
     plan = store.plan()
@@ -1180,3 +1185,33 @@ def test_the_first_plan_is_made_off_the_thread_while_steps_go_on(
     assert process is not None and process.poll() is None
     store.close()
     assert process.wait(10) is not None and workers[0]._process is None
+
+
+def test_the_planning_process_makes_the_plan_this_process_would() -> None:
+    # NOTE [ Planning off the training thread ]: the same planner, in a
+    # process of its own, through JSON both ways.
+    saves = tuple(
+        Save(
+            1 << 20,
+            "aten.mm",
+            f"m.{i // 3}",
+            0.01 * (i + 1),
+            0.02 * (12 - i),
+            rebuild_s=None if i % 3 == 0 else 0.004,
+            inputs=(i - 1,) if i % 3 else (),
+            made_in=(f"m.{i // 3}",),
+        )
+        for i in range(12)
+    )
+    profile = Profile(saves, 0.12, 0.24, 0.01, 2e8, 3e8, 2 << 20, fixed_bytes=4096)
+    worker = plans.PlanningProcess()
+    try:
+        for budget in (0, 3 << 20, 6 << 20, 64 << 20):
+            here, there = make_plan(profile, budget), worker.plan(profile, budget)
+            assert there == here
+            assert there.profile is profile
+    finally:
+        worker.close()
+    worker.close()  # idempotent
+    with pytest.raises(RuntimeError, match="the planning process was closed"):
+        worker.plan(profile, 0)

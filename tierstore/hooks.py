@@ -526,8 +526,10 @@ class _Regions:
         self._handles = []
         self.plan = None
 
-    def _stack(self) -> list[tuple[Recorder | None, bool]]:
-        stack: list[tuple[Recorder | None, bool]] | None = getattr(self._pushed, "stack", None)
+    def _stack(self) -> list[tuple[torch.nn.Module, Recorder | None, bool]]:
+        stack: list[tuple[torch.nn.Module, Recorder | None, bool]] | None = getattr(
+            self._pushed, "stack", None
+        )
         if stack is None:
             stack = self._pushed.stack = []
         return stack
@@ -545,15 +547,17 @@ class _Regions:
         if _local.recorder is None:  # not inside another region (nested modules)
             recorder.__enter__()  # type: ignore[no-untyped-call]
             _local.recorder = pushed = recorder
-        self._stack().append((pushed, _local.recompute))
+        self._stack().append((module, pushed, _local.recompute))
         _local.recompute = True
 
     @_never_traced
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        # Not "is this store's block open": a block may close first, as
+        # offload_module's own forward hook on the same module does.
         stack = self._stack()
-        if _local.regions is not self or not stack:
-            return
-        pushed, _local.recompute = stack.pop()
+        if not stack or stack[-1][0] is not module:
+            return  # _enter pushed nothing for this call
+        _, pushed, _local.recompute = stack.pop()
         if pushed is not None:
             _local.recorder = None
             pushed.__exit__(None, None, None)  # type: ignore[no-untyped-call]

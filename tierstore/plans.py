@@ -16,10 +16,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
-import pickle
 import statistics
-import struct
 import subprocess
 import sys
 import threading
@@ -119,8 +119,8 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # A plan that keeps everything needs no search (nothing is faster than
 # keeping), so it is made at once, where the profile ends. Any other plan,
 # the first of a shape of step as well as a remade one, is made in a process
-# of its own (PlanningProcess: the planner module alone, a pickle of the
-# profile in and of the plan out, at a lower priority) while the steps go
+# of its own (PlanningProcess: the planner module alone, the profile in and
+# the plan out as JSON, at a lower priority) while the steps go
 # on: under the plan they have, or, before the first, on the safe placement
 # (NOTE [ Planned steps ]) without the profile's recording and timing; the
 # runner switches to the new plan at the first step boundary after it is
@@ -410,29 +410,36 @@ class _Step:
     largest: int = 0  # the largest save so far
 
 
-#: What the planning process runs: the planner module alone, under its own
-#: name so pickles of its classes mean the same on both sides, without the
-#: package's __init__ (which imports torch). It reads (profile, budget)
-#: pickles and writes plans, one at a time, until its input closes.
+#: What the planning process runs: the planner module alone, without the
+#: package's __init__ (which imports torch). It reads a profile and a budget
+#: as JSON lines and writes the plan's choices and figures back, one at a
+#: time, until its input closes. JSON, not pickle: nothing tierstore reads
+#: can run code (tests/test_security.py).
 _WORKER = r"""
-import os, pickle, struct, sys, types
+import json, os, sys, types
 package = types.ModuleType("tierstore")
 package.__path__ = [sys.argv[1]]
 sys.modules["tierstore"] = package
-from tierstore.planner import make_plan
+from tierstore.planner import Profile, Save, make_plan
 try:
     os.nice(10)
 except OSError:
     pass
-read, write = sys.stdin.buffer, sys.stdout.buffer
-while True:
-    head = read.read(8)
-    if len(head) < 8:
-        break
-    profile, budget = pickle.loads(read.read(struct.unpack("<Q", head)[0]))
-    out = pickle.dumps(make_plan(profile, budget), pickle.HIGHEST_PROTOCOL)
-    write.write(struct.pack("<Q", len(out)) + out)
-    write.flush()
+for line in sys.stdin:
+    request = json.loads(line)
+    fields = request["profile"]
+    saves = tuple(
+        Save(**{**save, "inputs": tuple(save["inputs"]), "made_in": tuple(save["made_in"])})
+        for save in fields.pop("saves")
+    )
+    plan = make_plan(Profile(saves=saves, **fields), request["budget"])
+    out = {
+        name: getattr(plan, name)
+        for name in ("choices", "window_bytes", "predicted_step_s", "predicted_peak_bytes",
+                     "floor_bytes", "exposed_s")
+    }
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
 """
 
 
@@ -471,14 +478,23 @@ class PlanningProcess:
                     close_fds=True,
                 )
             assert process.stdin is not None and process.stdout is not None
-            data = pickle.dumps((profile, budget), pickle.HIGHEST_PROTOCOL)
-            process.stdin.write(struct.pack("<Q", len(data)) + data)
+            request = {"profile": dataclasses.asdict(profile), "budget": budget}
+            process.stdin.write(json.dumps(request).encode() + b"\n")
             process.stdin.flush()
-            head = process.stdout.read(8)
-            if len(head) < 8:
+            line = process.stdout.readline()
+            if not line:
                 raise RuntimeError("tierstore: the planning process ended without a plan")
-            made: Plan = pickle.loads(process.stdout.read(struct.unpack("<Q", head)[0]))
-        return replace(made, profile=profile)
+            made = json.loads(line)
+        return Plan(
+            profile=profile,
+            choices=tuple(made["choices"]),
+            budget_bytes=budget,
+            window_bytes=made["window_bytes"],
+            predicted_step_s=made["predicted_step_s"],
+            predicted_peak_bytes=made["predicted_peak_bytes"],
+            floor_bytes=made["floor_bytes"],
+            exposed_s=tuple(made["exposed_s"]),
+        )
 
     def close(self) -> None:
         """End the process. Idempotent."""
@@ -1026,7 +1042,7 @@ class PlanRunner:
         def make() -> None:
             try:
                 plan = self._process().plan(profile, budget)
-            except (OSError, RuntimeError, pickle.PickleError):
+            except (OSError, RuntimeError, ValueError):
                 if self._closed:
                     return
                 plan = make_plan(profile, budget)  # no process to be had: this thread
