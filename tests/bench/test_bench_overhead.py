@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 from tierstore.bench import overhead
-from tierstore.bench.cli import add_bench_parser
+
+from .conftest import parse_bench
 
 ROWS = ["none", "identity", "kept", "budget=1.0", "budget=0.5"]
-
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_bench_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["bench", *argv])
 
 
 def test_the_json_has_every_row_and_its_figures(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     quick = ["overhead", "--quick", "--layers", "6", "--width", "16", "--warmup", "4"]
-    args = _parse([*quick, "--json", str(out)])
+    args = parse_bench([*quick, "--json", str(out)])
     assert overhead.run(args) == 0  # 1 where gradients differ
     payload = json.loads(out.read_text())
     rows = payload["rows"]

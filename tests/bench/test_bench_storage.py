@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from tierstore.bench import lmdb_path, report, storage, storage_rows
-from tierstore.bench.cli import add_bench_parser
 from tierstore.bench.storage_rows import PassTimes, Spread, open_session
 from tierstore.errors import CorruptDataError, TierstoreError
+
+from .conftest import parse_bench, run_bench
 
 TIERSTORE_ROWS = ["file", "file+zstd", "lmdb", "lmdb+zstd"]
 
@@ -37,16 +38,11 @@ def _rows_expected(directory: Path) -> list[str]:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    # The same wiring the tierstore command uses.
-    parser = argparse.ArgumentParser(prog="tierstore")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["bench", "storage", *argv])
+    return parse_bench(["storage", *argv])
 
 
 def _run(argv: list[str]) -> int:
-    args = _parse(argv)
-    code: int = args.run(args)
-    return code
+    return run_bench(["storage", *argv])
 
 
 def _cache_is_droppable(directory: Path) -> bool:

@@ -16,34 +16,23 @@ import pytest
 import torch
 
 from tierstore.bench import train, train_measure, train_report, train_runs, train_strategies
-from tierstore.bench.cli import add_bench_parser
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.bench.report import Progress
 from tierstore.errors import TierstoreError
 from tierstore.hooks import TierStore
 
+from .conftest import parse_bench, run_bench
+
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    # The same wiring the tierstore command uses.
-    parser = argparse.ArgumentParser(prog="tierstore")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["bench", "train", *argv])
+    return parse_bench(["train", *argv])
 
 
 def _run(argv: list[str]) -> int:
-    args = _parse(argv)
-    code: int = args.run(args)
-    return code
+    return run_bench(["train", *argv])
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # The quick model's ops are tiny: on a busy 2-core machine two OpenMP
-    # threads wait on each other far longer than the work takes.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

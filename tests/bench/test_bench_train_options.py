@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,34 +13,23 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from tierstore.bench import train, train_measure, train_report, train_strategies, train_sweep
-from tierstore.bench.cli import add_bench_parser
 from tierstore.bench.gpt import build_model, saved_bytes
 from tierstore.bench.train_settings import MODEL_OPTIONS
 from tierstore.errors import TierstoreError
 from tierstore.stats import TIERS
 
+from .conftest import parse_bench, run_bench
+
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    # The same wiring the tierstore command uses.
-    parser = argparse.ArgumentParser(prog="tierstore")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["bench", "train", *argv])
+    return parse_bench(["train", *argv])
 
 
 def _run(argv: list[str]) -> int:
-    args = _parse(argv)
-    code: int = args.run(args)
-    return code
+    return run_bench(["train", *argv])
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # The tiny models' ops are tiny: on a busy 2-core machine two OpenMP
-    # threads wait on each other far longer than the work takes.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- the model's size -------------------------------------------------------------

@@ -43,19 +43,18 @@ Example:
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import lmdb
 import torch
 
 from tierstore import codec
 from tierstore.backends._aligned import AlignedBuffer, copy
 from tierstore.backends.base import byte_views
+from tierstore.backends.lmdb import open_environment
 from tierstore.bench.storage_rows import Spread, drop_cache, fsync_files
 from tierstore.errors import TierstoreError
 
@@ -183,19 +182,7 @@ class LmdbWritePath:
         budget = sum(t.numel() * t.element_size() + _MIB for t in tensors) + 16 * _MIB
         self._path = workdir / "entries.lmdb"
         try:
-            os.mkdir(self._path, 0o700)
-            self._env = lmdb.open(
-                str(self._path),
-                map_size=2 * budget + _MIB,
-                subdir=True,
-                sync=False,
-                metasync=False,
-                readahead=True,
-                lock=True,
-                max_dbs=0,
-                meminit=False,
-                mode=0o600,
-            )
+            self._env = open_environment(self._path, 2 * budget + _MIB)
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)
             raise
