@@ -915,7 +915,11 @@ class PlanRunner:
         self.plan.measured_peak_bytes = peak_bytes
         self.plan.measured_before = False
         self.plan.steps += 1
-        return self._refit(total) or self._check_peak(peak_bytes) or adopted
+        plan = self.plan
+        line = self._refit(total)
+        if self.plan is plan:  # not remade for its time: its peak is checked too
+            line = self._check_peak(peak_bytes) or line
+        return line or adopted
 
     def _process(self) -> PlanningProcess:
         """The planning process, created on first use."""
