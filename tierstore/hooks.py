@@ -329,8 +329,10 @@ class _Kept:
         self.planned = planned
 
 
-def _kept_noted(t: torch.Tensor, planned: int = 0) -> _Kept:
-    """``t`` kept, told to the thread's recorder if one runs (its detach not recorded)."""
+def _kept(t: torch.Tensor, planned: int = 0) -> _Kept:
+    """``t`` kept as it is; told to the thread's recorder if one runs (its detach not recorded)."""
+    if _local.region_recorder is None and not _local.recompute:  # no recorder: the usual way
+        return _Kept(t.detach(), t._version, planned)
     kept = _Kept(_unrecorded(t.detach), t._version, planned)
     recorder = _local.recorder if _local.recompute else _local.region_recorder
     if recorder is not None:
@@ -626,12 +628,14 @@ class _ModuleNames:
 
     def __init__(self) -> None:
         self._trees: dict[int, tuple[weakref.ref[torch.nn.Module], dict[int, str]]] = {}
-        self.compiled = False
         #: Every module named so far, by name.
         self.known: dict[str, weakref.ref[torch.nn.Module]] = {}
 
-    def _chain(self) -> list[torch.nn.Module]:
-        """The modules whose forward runs now, outermost first; notes :attr:`compiled`."""
+    def _chain(self) -> tuple[list[torch.nn.Module], bool]:
+        """The modules whose forward runs now, outermost first; and whether under compiled code.
+
+        A compiled region's runtime on the stack hands its saves over as it ends.
+        """
         chain: list[torch.nn.Module] = []
         compiled = False
         frame: types.FrameType | None = sys._getframe(2)
@@ -648,9 +652,7 @@ class _ModuleNames:
                 compiled = True
             frame = frame.f_back
         chain.reverse()
-        #: Whether the last name was read under a compiled region's runtime.
-        self.compiled = compiled
-        return chain
+        return chain, compiled
 
     def _tree(self, root: torch.nn.Module) -> dict[int, str]:
         """Names of ``root``'s modules by id, made once per root."""
@@ -667,7 +669,14 @@ class _ModuleNames:
 
     def running(self) -> str:
         """The running module: the outermost numbered one (``GPT.blocks.3``), else a top one."""
-        chain = self._chain()
+        return self._name(self._chain()[0])
+
+    def saving(self) -> tuple[str, bool]:
+        """:meth:`running`, and whether a compiled region hands the save over."""
+        chain, compiled = self._chain()
+        return self._name(chain), compiled
+
+    def _name(self, chain: list[torch.nn.Module]) -> str:
         if not chain:
             return ""
         tree = self._tree(chain[0])
@@ -686,7 +695,7 @@ def _module_name() -> tuple[str, bool]:
     budget ] in plans.py).
     """
     names = _local.names
-    return ("", False) if names is None else (names.running(), names.compiled)
+    return ("", False) if names is None else names.saving()
 
 
 # NOTE [ Recompute in blocks ]
@@ -1066,9 +1075,7 @@ class TierStore:
                 runner = self._runner
                 if runner is None:
                     if self._manager.stays(nbytes):
-                        if _local.region_recorder is not None or _local.recompute:
-                            return _kept_noted(t)
-                        return _Kept(t.detach(), t._version)
+                        return _kept(t)
                     nbytes = _unusual(t) or nbytes
                     if type(nbytes) is int:
                         return self._pack_stored(t, nbytes, None)
@@ -1077,9 +1084,7 @@ class TierStore:
                     if type(nbytes) is int:
                         choice = runner.choose(nbytes)
                         if choice == "keep":  # counted by the runner, not here
-                            if _local.region_recorder is not None or _local.recompute:
-                                return _kept_noted(t, nbytes)
-                            return _Kept(t.detach(), t._version, nbytes)
+                            return _kept(t, nbytes)
                         return self._pack_planned(t, nbytes, choice)
         else:
             nbytes = "keep" if tier == "device" else _offload_nbytes(t, self._min_bytes)
@@ -1094,9 +1099,7 @@ class TierStore:
         self._manager.count_kept(size, nbytes)  # type: ignore[arg-type]
         if self._runner is not None and nbytes in ("keep", "min_offload_bytes"):
             self._runner.kept_fixed(size)  # activations it keeps
-        if _local.recorder is None and _local.region_recorder is None:
-            return _Kept(t.detach(), t._version)  # no recorder to tell: a parameter's usual way
-        return _kept_noted(t)
+        return _kept(t)
 
     def _pack_stored(self, t: torch.Tensor, nbytes: int, tier: Tier | None) -> Handle | Recipe:
         """The full path: an entry in the tier manager, or a recipe (NOTE [ Recompute ])."""

@@ -701,9 +701,7 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
     """
     starts = [_all(profile, "keep"), *_lowest_templates(profile)]
     window = profile.window_bytes
-    # The last resorts, for budgets that no larger window meets; forward
-    # waits for a write only on a disk's link (NOTE [ Planning ]).
-    last = (ONE_AT_A_TIME, SYNCHRONOUS) if profile.shared_link else (ONE_AT_A_TIME,)
+    last = _last_resorts(profile)
     floor = floor_bytes(profile)
     kept = simulate(profile, starts[0], window)
     if kept.peak_bytes <= budget_bytes:
@@ -778,12 +776,19 @@ def floor_bytes(profile: Profile) -> int:
         >>> floor_bytes(p)   # cannot be rebuilt: in flight, or in use
         1000
     """
-    last = (ONE_AT_A_TIME, SYNCHRONOUS) if profile.shared_link else (ONE_AT_A_TIME,)
     return min(
         simulate(profile, choices, window).peak_bytes
-        for window in (*_windows(profile), *last)
+        for window in (*_windows(profile), *_last_resorts(profile))
         for choices in _lowest_templates(profile)
     )
+
+
+def _last_resorts(profile: Profile) -> tuple[int, ...]:
+    """The windows for budgets no larger window meets (NOTE [ Planning ]).
+
+    Forward waits for a write only on a disk's link.
+    """
+    return (ONE_AT_A_TIME, SYNCHRONOUS) if profile.shared_link else (ONE_AT_A_TIME,)
 
 
 def _step(plan: tuple[list[Choice], Outcome]) -> float:

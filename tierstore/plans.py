@@ -696,10 +696,9 @@ class PlanRunner:
 
     def _profile_next(self) -> bool:
         """Whether a step beginning now is profiled (NOTE [ Planned steps ])."""
+        # A plan ready or on its way is waited for (NOTE [ Planning off the training thread ]).
         if self._remade is not None or (self._remaking is not None and self._remaking.is_alive()):
-            return (
-                False  # a plan is ready or on its way (NOTE [ Planning off the training thread ])
-            )
+            return False
         return self.plan is None or self._unseen is not None
 
     def _begin(self) -> _Step:
