@@ -32,8 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity
+from torch.profiler import profile as torch_profile
 
 import tierstore
+
+#: The most extra warm-up steps a budget row takes while its plan is made.
+MAX_STEPS_TO_A_PLAN = 60
 
 
 class Block(nn.Module):
@@ -105,8 +110,12 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
     torch.cuda.synchronize()
     base_alloc = torch.cuda.memory_allocated()
     base_reserved = torch.cuda.memory_reserved()
-    steps, alloc, reserved, plans = [], [], [], []
-    for _ in range(args.warmup + args.steps):
+    steps: list[float] = []
+    alloc: list[int] = []
+    reserved: list[int] = []
+    plans: list[list[Any] | None] = []
+
+    def measured_step() -> None:
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         step()
@@ -115,12 +124,40 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
         alloc.append(torch.cuda.max_memory_allocated() - base_alloc)
         reserved.append(torch.cuda.max_memory_reserved() - base_reserved)
         plan = store.plan() if store is not None else None
-        if plan is not None:  # a step's measured time lands as the next one begins
-            plans.append([plan.steps, plan.predicted_step_s, plan.measured_step_s])
-    timed = steps[args.warmup :]
+        # One entry per step: [steps run on the plan, predicted s, last measured s]
+        # (a step's measured time lands as the next one begins), None before a plan.
+        plans.append(
+            None if plan is None else [plan.steps, plan.predicted_step_s, plan.measured_step_s]
+        )
+
+    for _ in range(args.warmup):
+        measured_step()
+    if store is not None and store.config.activation_budget is not None:
+        # A plan that needs a search is made in a process of its own while the
+        # steps go on on the safe placement (NOTE [ Planning off the training
+        # thread ] in tierstore/plans.py): warm up until the plan runs.
+        for _ in range(MAX_STEPS_TO_A_PLAN):
+            entry = plans[-1]
+            if entry is not None and entry[0] >= 1:
+                break
+            measured_step()
+    warmup = len(steps)
+    if args.profile == name:
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                measured_step()
+        warmup = len(steps)
+        averages = prof.key_averages()
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
+        print(averages.table(sort_by="self_cuda_time_total", row_limit=25), file=sys.stderr)
+    for _ in range(args.steps):
+        measured_step()
+    timed = steps[warmup:]
+    first_planned = next((i for i, p in enumerate(plans) if p is not None and p[0] >= 1), None)
     out: dict[str, Any] = {
         "row": name,
         "steps_s": steps,
+        "warmup_steps": warmup,
         "median_s": statistics.median(timed),
         "mean_s": statistics.fmean(timed),
         "max_over_median": max(timed) / statistics.median(timed),
@@ -130,18 +167,25 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "peak_reserved_bytes": max(reserved),
     }
     if store is not None:
-        out["plan_history"] = plans  # [planned steps so far, predicted s, last measured s]
+        out["plan_history"] = plans  # per step: [planned steps so far, predicted s, measured s]
         plan = store.plan()
         if plan is not None:
             profile = plan.profile
             # The first plan's prediction, before any check rescaled it, and
-            # the first step that ran on it (the store's third: warm-up, profile).
-            first = next((p[1] for p in plans if p[0] == 0), None)
+            # the first step that ran on it.
+            first = next((p[1] for p in plans if p is not None), None)
+            planned_timed = [
+                s for s, p in zip(steps[warmup:], plans[warmup:], strict=True) if p is not None
+            ]
+            out["planned_max_over_median"] = (
+                max(planned_timed) / statistics.median(timed) if planned_timed else None
+            )
             out["plan"] = {
                 "predicted_step_s": plan.predicted_step_s,
                 "measured_step_s": plan.measured_step_s,
                 "first_predicted_step_s": first,
-                "first_planned_step_s": steps[2] if len(steps) > 2 else None,
+                "first_planned_step_s": None if first_planned is None else steps[first_planned],
+                "first_planned_step": first_planned,
                 "predicted_peak_bytes": plan.predicted_peak_bytes,
                 "measured_peak_bytes": plan.measured_peak_bytes,
                 "bytes_by_choice": plan.bytes_by_choice(),
@@ -182,6 +226,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--vocab", type=int, default=16384)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", default=None, metavar="ROW", help="profile 2 steps of ROW")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one is not None:
@@ -196,6 +241,8 @@ def main() -> int:
         if done.returncode != 0:
             print(f"{name}: failed\n{done.stderr[-3000:]}", flush=True)
             continue
+        if name == args.profile:
+            print(done.stderr[-20000:], flush=True)
         row = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append(row)
     base = next((r for r in rows if r["row"] == "none"), None)
@@ -223,6 +270,11 @@ def main() -> int:
             prof = pl["profile"]
             out_rate, back_rate = prof["write_bytes_per_s"] / 1e9, prof["read_bytes_per_s"] / 1e9
             extra += f"; links {out_rate:.1f}/{back_rate:.1f} GB/s"
+        if r.get("planned_max_over_median") is not None:
+            extra += (
+                f"; planned max/med {r['planned_max_over_median']:.2f} "
+                f"(after {r['warmup_steps']} warm-up steps)"
+            )
         if "grads_bitwise_equal" in r:
             extra += f"; grads bitwise {r['grads_bitwise_equal']}"
         print(
