@@ -20,6 +20,8 @@ from tierstore.planner import (
     _size,
     floor_bytes,
     make_plan,
+    recorded_rebuilds,
+    replayed,
     simulate,
 )
 
@@ -678,3 +680,52 @@ def test_h200_offloads_only_what_the_link_hides(memory: float) -> None:
     for b in range(BLOCKS):
         after = profile.forward_s - profile.saves[8 * b].forward_s  # forward left after the block
         assert sum(by_block[b:]) <= rate * after + window
+
+
+def _blocks(n: int, per: int, *, recorded: float, link: float = 1e3) -> Profile:
+    """``n`` blocks of ``per`` saves (an input, then cheap ops), a slow link, 1 ms per op."""
+    saves = tuple(
+        Save(1000, "aten.gelu", f"m.{b}", 0.001 * (b * per + k), 0.001 * ((n - b) * per - k), 0.001)
+        for b in range(n)
+        for k in range(per)
+    )
+    return Profile(saves, 0.001 * n * per, 0.002 * n * per, 0.0, link, link, 1000,
+                   recorded_rebuild_s=recorded, device_timed=True)  # fmt: skip
+
+
+def test_replayed_modules_are_those_rebuilt_whole_from_a_kept_input() -> None:
+    # NOTE [ Replayed modules ]: a module whose saves follow one another, its
+    # first kept and the rest rebuilt, and no other rebuild recording in it.
+    p = _blocks(3, 3, recorded=0.0)
+    whole = ("keep", "rebuild", "rebuild")
+    assert replayed(p, whole * 3) == (("m.0", 0, 3), ("m.1", 3, 6), ("m.2", 6, 9))
+    assert replayed(p, ("keep", "keep", "rebuild") + whole * 2) == (("m.1", 3, 6), ("m.2", 6, 9))
+    assert replayed(p, ("offload", "rebuild", "rebuild") + ("keep",) * 6) == ()
+    # A rebuild of m.2 that replays ops m.1 ran records in m.1: it is not checkpointed.
+    made_in_m1 = dataclasses.replace(p.saves[8], made_in=("m.1",))
+    q = dataclasses.replace(p, saves=(*p.saves[:8], made_in_m1))
+    assert replayed(q, whole + whole + ("keep", "keep", "rebuild")) == (("m.0", 0, 3),)
+    assert recorded_rebuilds(q, whole + whole + ("keep", "keep", "rebuild")) == 3
+    # Saves of a module that come apart (its output saved after another's) never replay.
+    apart = dataclasses.replace(p, saves=(*p.saves[:2], p.saves[3], p.saves[2], *p.saves[4:]))
+    assert [m for m, _, _ in apart.spans] == ["m.2"]
+
+
+def test_op_by_op_rebuilds_pay_what_a_planned_step_measured_and_checkpointing_does_not() -> None:
+    p = _blocks(4, 4, recorded=0.01)
+    whole = ("keep", "rebuild", "rebuild", "rebuild")
+    split = ("keep", "rebuild", "rebuild", "keep")
+    keep = ("keep",) * 4
+    base = simulate(p, keep * 4, p.window_bytes).step_s
+    assert simulate(p, whole + keep * 3, p.window_bytes).step_s == pytest.approx(base + 0.003)
+    assert simulate(p, split + keep * 3, p.window_bytes).step_s == pytest.approx(
+        base + 2 * (0.001 + 0.01)
+    )
+    # The search: a budget a checkpointed block meets; the op-by-op plans would
+    # rebuild as many bytes and pay the recorder on each.
+    budget = p.saved_bytes - 3000
+    plan = make_plan(p, budget)
+    assert plan.fits
+    assert [m for m, _, _ in replayed(p, plan.choices)] == ["m.0"]
+    assert recorded_rebuilds(p, plan.choices) == 0
+    assert plan.predicted_step_s == pytest.approx(base + 0.003)

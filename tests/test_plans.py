@@ -29,7 +29,16 @@ from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.config import human_bytes
 from tierstore.hooks import _Kept
 from tierstore.pipeline import LinkClock
-from tierstore.planner import SYNCHRONOUS, Plan, Profile, Save, make_plan
+from tierstore.planner import (
+    SYNCHRONOUS,
+    Plan,
+    Profile,
+    Save,
+    make_plan,
+    recorded_rebuilds,
+    replayed,
+    simulate,
+)
 from tierstore.plans import PLANS_KEPT, PlanRunner
 from tierstore.recompute import Recipe, Recorder
 from tierstore.store import TierManager
@@ -191,11 +200,13 @@ def test_random_ops_are_never_rebuilt(budget_store: Callable[..., tierstore.Tier
         _same(_run(store, 4), _run(None, 4))
     plan = store.plan()
     assert plan is not None
-    for save, choice in zip(plan.profile.saves, plan.choices, strict=True):
-        if "dropout" in save.op or "bernoulli" in save.op:
-            assert choice != "rebuild"
-        if save.rebuild_s is None:
-            assert choice != "rebuild"
+    # Unless checkpointing replays the module natively, RNG state and all
+    # (NOTE [ Replayed modules ] in planner.py).
+    spans = replayed(plan.profile, plan.choices)
+    native = {j for _, first, end in spans for j in range(first, end)}
+    for i, (save, choice) in enumerate(zip(plan.profile.saves, plan.choices, strict=True)):
+        if "dropout" in save.op or "bernoulli" in save.op or save.rebuild_s is None:
+            assert choice != "rebuild" or i in native
 
 
 def test_another_sequence_length_is_handled_safely_and_planned_again(
@@ -683,6 +694,44 @@ def test_a_dearer_link_replans_off_the_training_thread() -> None:
     assert line is not None and line.startswith("tierstore: plan remade")
     assert runner.plan is not plan
     assert runner.plan.profile.moved_s_per_byte > 0
+
+
+def test_a_device_step_slower_than_predicted_charges_its_op_by_op_rebuilds() -> None:
+    # NOTE [ Replayed modules ] in planner.py: a device's profile times ops
+    # with events, not the recorder's Python around each; a planned step
+    # that rebuilds op by op and runs slow measures that, and the plan is
+    # made again to checkpoint whole modules instead.
+    runner = PlanRunner(
+        tierstore.TierConfig(activation_budget=0.5), LinkClock(), LinkClock(), lambda: 0.0
+    )
+    runner.background = False
+    saves = tuple(
+        Save(4096, "aten.gelu", f"m.{b}", 0.01 * (3 * b + k), 0.02 * (6 - 3 * b - k), 0.01)
+        for b in range(2)
+        for k in range(3)
+    )
+    profile = Profile(saves, 0.06, 0.12, 0.0, 1e3, 1e3, 4096, device_timed=True)
+    split = ("keep", "rebuild", "keep", "keep", "rebuild", "keep")
+    plan = replace(make_plan(profile, 4 * 4096), choices=split)
+    plan.predicted_step_s = simulate(profile, split, 4096).step_s
+    runner._use((4096,) * 6, plan)
+    assert recorded_rebuilds(profile, split) == 2
+    line = runner._refit(plan.predicted_step_s + 0.2)  # far off: at once
+    assert line is not None and line.startswith("tierstore: plan remade")
+    remade = runner.plan
+    assert remade is not None and remade is not plan
+    assert remade.profile.recorded_rebuild_s == pytest.approx(0.1)
+    assert recorded_rebuilds(remade.profile, remade.choices) == 0
+    assert replayed(remade.profile, remade.choices)
+    assert runner._recorded_rebuild_s == pytest.approx(0.1)  # the next profile starts there
+    # A CPU's profile times the host, recorder and all: the step is rescaled.
+    cpu = PlanRunner(
+        tierstore.TierConfig(activation_budget=0.5), LinkClock(), LinkClock(), lambda: 0.0
+    )
+    on_cpu = replace(plan, profile=replace(profile, device_timed=False))
+    cpu._use((4096,) * 6, on_cpu)
+    line = cpu._refit(plan.predicted_step_s + 0.2)
+    assert line is not None and line.startswith("tierstore: plan rescaled")
 
 
 def test_a_first_planned_step_far_off_is_corrected_at_once_then_checked_again() -> None:
@@ -1215,3 +1264,131 @@ def test_the_planning_process_makes_the_plan_this_process_would() -> None:
     worker.close()  # idempotent
     with pytest.raises(RuntimeError, match="the planning process was closed"):
         worker.plan(profile, 0)
+
+
+def _checkpointing_blocks(blocks: tuple[str, ...]) -> Callable[[Profile, int], Plan]:
+    """make_plan, but the plan checkpoints ``blocks`` and keeps the rest."""
+
+    def make(profile: Profile, budget: int) -> Plan:
+        choices: list[Any] = ["keep"] * len(profile.saves)
+        for name, first, end in profile.spans:
+            if name.endswith(blocks):
+                choices[first + 1 : end] = ["rebuild"] * (end - first - 1)
+        return replace(make_plan(profile, budget), choices=tuple(choices))
+
+    return make
+
+
+def test_a_plan_that_rebuilds_whole_blocks_checkpoints_them_natively(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ Replayed modules ] in planner.py: no recorder, no recipe; the
+    # blocks' saves never reach the pack hook, and dropout's masks replay.
+    store = tierstore.TierStore(
+        tierstore.TierConfig(activation_budget=0.6, min_offload_bytes=0, disk_path=spill_root)
+    )
+    assert store._runner is not None
+    store._runner.background = False
+    monkeypatch.setattr(plans, "make_plan", _checkpointing_blocks(("blocks.0", "blocks.2")))
+    calls: list[str] = []
+    original = Recorder.__torch_dispatch__
+
+    def counting(self: Recorder, func: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(func._overloadpacket.__name__)
+        return original(self, func, *args, **kwargs)
+
+    model = _model()
+    eager = [_step(model, step) for step in range(6)]
+    for step in range(6):
+        if step == 3:  # planned from the third step: watch the fourth
+            monkeypatch.setattr(Recorder, "__torch_dispatch__", counting)
+            seen = _spy_packs(store)
+            before = store.stats()
+        with store.offload():
+            grads = _step(model, step)
+        _same([grads], [eager[step]])
+        if step == 3:
+            after, packed = store.stats(), len(seen)
+    plan = store.plan()
+    assert plan is not None
+    spans = replayed(plan.profile, plan.choices)
+    assert [name for name, _, _ in spans] == ["GPT.blocks.0", "GPT.blocks.2"]
+    assert calls == []  # nothing recorded
+    assert not any(type(p) is Recipe for p in seen)
+    # Every save but the blocks' own reached the pack hook; a block's input
+    # did, on a torch whose checkpoint saves its inputs.
+    inside = sum(end - first - 1 for _, first, end in spans)
+    assert packed in (len(plan.choices) - inside, len(plan.choices) - inside - len(spans))
+    saves = plan.profile.saves
+    rebuilt = [saves[j].nbytes for _, first, end in spans for j in range(first + 1, end)]
+    assert after.recomputed - before.recomputed == len(rebuilt)
+    assert after.recomputed_bytes - before.recomputed_bytes == sum(rebuilt)
+    # Steps 3 to 5 followed the plan: one that left it is profiled next, recording every op.
+    assert store._runner._step is None or store._runner._step.deviated_at is None
+    store.close()
+
+
+def test_a_checkpointed_block_under_offload_module_nests_inside_the_blocks_hooks(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # offload_module opens the store's block in each module's forward
+    # pre-hook and closes it in its forward hook; the checkpoint of a
+    # replayed module must end before (NOTE [ Replayed modules ] in planner.py).
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.drop, self.fc2 = (
+                torch.nn.Linear(32, 128),
+                torch.nn.Dropout(0.1),
+                torch.nn.Linear(128, 32),
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.fc2(self.drop(torch.nn.functional.gelu(self.fc1(x))))
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    monkeypatch.setattr(plans, "make_plan", _checkpointing_blocks(("blocks.0", "blocks.2")))
+    store = tierstore.TierStore(
+        tierstore.TierConfig(activation_budget=0.5, min_offload_bytes=0, disk_path=spill_root)
+    )
+    assert store._runner is not None
+    store._runner.background = False
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(16, 32)
+
+    def grads(step: int) -> list[torch.Tensor]:
+        torch.manual_seed(step)
+        model(x).square().mean().backward()
+        out = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        model.zero_grad(set_to_none=True)
+        return out
+
+    eager = [grads(step) for step in range(6)]
+    handles = [tierstore.offload_module(b, store=store) for b in model.blocks]
+    before = store.stats()
+    for step in range(6):
+        assert all(torch.equal(a, b) for a, b in zip(grads(step), eager[step], strict=True))
+        assert hooks._local.recorder is None
+        assert torch._C._len_torch_dispatch_stack() == 0
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    for h in handles:
+        h.remove()
+    plan = store.plan()
+    assert plan is not None
+    assert [n for n, _, _ in replayed(plan.profile, plan.choices)] == [
+        "Net.blocks.0",
+        "Net.blocks.2",
+    ]
+    assert store.stats().recomputed > before.recomputed  # the planned steps replayed them
+    # No saved-tensor hooks left pushed, neither the store's nor checkpoint's.
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    store.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import sys
@@ -39,7 +40,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from tierstore.config import TierConfig, load_config
 from tierstore.errors import ConfigError, TierstoreWarning, modified_in_place
 from tierstore.handle import Handle
-from tierstore.planner import Choice, Plan
+from tierstore.planner import Choice, Plan, replayed
 from tierstore.recompute import (
     Policy,
     Recipe,
@@ -129,6 +130,9 @@ class _Local(threading.local):
     # and the recorder they push.
     regions: _Regions | None = None
     region_recorder: Recorder | None = None
+    # Backward replays a checkpointed module here: the module's hooks of this
+    # layer stand aside (NOTE [ Replayed modules ] in planner.py).
+    replaying = False
 
 
 _local = _Local()
@@ -487,8 +491,16 @@ class _Block:
 # save that turns out not rebuildable.
 
 
+#: Begin a module's native replay in the step under way: (plan, first, end) -> whether it may.
+BeginReplay = Callable[[Plan, int, int, torch.Tensor | None], bool]
+
+
 class _Regions:
-    """Hooks on the modules a plan rebuilds in: the recorder runs inside them only."""
+    """Hooks on the modules a plan rebuilds in: the recorder runs inside them only.
+
+    The modules it rebuilds whole are checkpointed instead (NOTE [ Replayed
+    modules ] in planner.py).
+    """
 
     def __init__(self, policy: Policy, stays: Callable[[torch.Tensor], bool]) -> None:
         self._policy = policy
@@ -497,29 +509,100 @@ class _Regions:
         self._handles: list[Any] = []
         self._pushed = threading.local()
         self.whole = False  # the plan rebuilds where no hook can reach: record everything
+        self.records = True  # some rebuild is replayed op by op: the recorder runs
+        self._begin: BeginReplay | None = None
 
-    def follow(self, plan: Plan, modules: dict[str, weakref.ref[torch.nn.Module]]) -> None:
+    def follow(
+        self,
+        plan: Plan,
+        modules: dict[str, weakref.ref[torch.nn.Module]],
+        begin: BeginReplay,
+    ) -> None:
         """Hook the modules ``plan`` rebuilds in (once per plan)."""
         if plan is self.plan:
             return
         self.remove()
         self.plan = plan
+        self._begin = begin
+        spans = []
+        for name, first, end in replayed(plan.profile, plan.choices) if _can_replay() else ():
+            module = modules[name]() if name in modules else None
+            if module is not None and getattr(module, "_compiled_call_impl", None) is None:
+                spans.append((module, first, end))
+        native = {j for _, first, end in spans for j in range(first + 1, end)}
         names = {
             module
-            for save, choice in zip(plan.profile.saves, plan.choices, strict=True)
-            if choice == "rebuild"
+            for i, (save, choice) in enumerate(zip(plan.profile.saves, plan.choices, strict=True))
+            if choice == "rebuild" and i not in native
             for module in (save.made_in or (save.module,))
         }
         found = [modules[n]() if n in modules else None for n in sorted(names)]
         self.whole = any(m is None for m in found)
+        self.records = bool(names)
         if self.whole:
             return
+        for module, first, end in spans:
+            self._handles += [
+                module.register_forward_pre_hook(
+                    functools.partial(self._replay, first, end), with_kwargs=True
+                ),
+                # Before any other: offload_module's hook closes the block around it.
+                module.register_forward_hook(self._replayed, always_call=True, prepend=True),
+            ]
         for module in found:
             assert module is not None
             self._handles += [
                 module.register_forward_pre_hook(self._enter),
                 module.register_forward_hook(self._leave, always_call=True),
             ]
+
+    @_never_traced
+    def _replay(
+        self, first: int, end: int, module: torch.nn.Module, args: Any, kwargs: Any = None
+    ) -> None:
+        # No kwargs: a hook of the last plan, taken off as offload_module's
+        # pre-hook of this same call followed a new one (torch then calls it as
+        # one without kwargs).
+        if kwargs is None or _local.regions is not self or _local.replaying or _tracing():
+            return  # or not this store's planned block, or the replay itself in backward
+        plan, begin = self.plan, self._begin
+        if plan is None or begin is None:
+            return
+        checkpointing = _checkpointing(module, args, kwargs, self._replaying)
+        next(checkpointing)  # a torch that saves the inputs packs them here, the first save
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if not begin(plan, first, end, tensor):
+            checkpointing.close()  # type: ignore[attr-defined]
+            return
+        self._replays().append((module, checkpointing))
+
+    @_never_traced
+    def _replayed(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        replays = self._replays()
+        if replays and replays[-1][0] is module:
+            next(replays.pop()[1], None)
+
+    def _replays(self) -> list[tuple[torch.nn.Module, Iterator[None]]]:
+        replays: list[tuple[torch.nn.Module, Iterator[None]]] | None = getattr(
+            self._pushed, "replays", None
+        )
+        if replays is None:
+            replays = self._pushed.replays = []
+        return replays
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _replaying() -> Iterator[None]:
+        """Around backward's replay of a checkpointed module: this layer's hooks stand aside.
+
+        offload_module's would push the store's hooks over checkpoint's.
+        """
+        outer = _local.replaying
+        _local.replaying = True
+        try:
+            yield
+        finally:
+            _local.replaying = outer
 
     def remove(self) -> None:
         """Take the hooks off. Idempotent."""
@@ -563,6 +646,48 @@ class _Regions:
         if pushed is not None:
             _local.recorder = None
             pushed.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+
+def _can_replay() -> bool:
+    """Whether this torch checkpoints through hooks (NOTE [ Replayed modules ] in planner.py)."""
+    generator = getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None)
+    return callable(generator)
+
+
+def _checkpointing(
+    module: torch.nn.Module,
+    args: Any,
+    kwargs: Any,
+    replaying: Callable[[], contextlib.AbstractContextManager[None]],
+) -> Iterator[None]:
+    """torch.utils.checkpoint of ``module``'s call, as two halves around its forward.
+
+    The generator composable checkpointing (torch.distributed._composable)
+    drives from module hooks: ``next()`` before the forward takes its saves,
+    ``next()`` after ends the region. Backward runs ``module`` again under
+    ``replaying()``; the RNG state is restored, so dropout masks match.
+    """
+    generator: Callable[..., Iterator[None]]
+    generator = torch.utils.checkpoint._checkpoint_without_reentrant_generator
+    contexts = functools.partial(_contexts, replaying)
+    # fn, preserve_rng_state, context_fn, determinism_check, debug, early_stop
+    # (torch 2.4 has no early_stop): named before *args, so given in order.
+    settings: tuple[Any, ...] = (module, True, contexts, "default", False, True)
+    halves: Iterator[None] = generator(*settings[: _named_settings()], *args, **kwargs)
+    return halves
+
+
+@functools.cache
+def _named_settings() -> int:
+    generator = torch.utils.checkpoint._checkpoint_without_reentrant_generator
+    kinds = [p.kind for p in inspect.signature(generator).parameters.values()]
+    return kinds.index(inspect.Parameter.VAR_POSITIONAL)
+
+
+def _contexts(
+    replaying: Callable[[], contextlib.AbstractContextManager[None]],
+) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+    return contextlib.nullcontext(), replaying()
 
 
 # NOTE [ Planned saves ]
@@ -841,12 +966,13 @@ class TierStore:
             plan = runner.plan
             if not timed and plan is not None and policy is not None:
                 # NOTE [ Recording where a plan rebuilds ]
-                self._regions.follow(plan, self._modules)
-                if not self._regions.whole:
+                regions = self._regions
+                regions.follow(plan, self._modules, self._begin_replay)
+                if not regions.whole:
                     policy = None
                     block.outer_regions = (_local.regions, _local.region_recorder)
-                    _local.regions = self._regions
-                    _local.region_recorder = self._regions.recorder()
+                    _local.regions = regions
+                    _local.region_recorder = regions.recorder() if regions.records else None
         if policy is not None and _tracing():
             policy = None  # make_fx, FakeTensorMode: tracing keeps today's path
         if timed and policy is not None and _local.names is None:
@@ -863,6 +989,19 @@ class TierStore:
             block.pushed = _local.recorder = recorder
         _local.recompute = policy is not None
         return block
+
+    def _begin_replay(self, plan: Plan, first: int, end: int, tensor: torch.Tensor | None) -> bool:
+        """A module of ``plan`` checkpointed here, if the step is at its saves; they count rebuilt.
+
+        NOTE [ Replayed modules ] in planner.py.
+        """
+        runner = self._runner
+        if runner is None or not runner.replays(plan, first, end):
+            return False
+        device = tensor.device if tensor is not None else None
+        for save in plan.profile.saves[first + 1 : end]:
+            self._manager.count_recomputed(save.nbytes, device)
+        return True
 
     def _stays(self, t: torch.Tensor) -> bool:
         """Whether ``t`` stays on the device if saved: a recipe may hold it as it is."""
@@ -1366,7 +1505,8 @@ class _OffloadModule:
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         stack = self._stack()
         stack.append(None)
-        stack[-1] = self.store._open_block()
+        if not _local.replaying:  # NOTE [ Replayed modules ] in planner.py
+            stack[-1] = self.store._open_block()
 
     @_never_traced
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:

@@ -26,12 +26,21 @@ import heapq
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
-__all__ = ["Choice", "Plan", "Profile", "Save", "make_plan", "simulate"]
+__all__ = [
+    "Choice",
+    "Plan",
+    "Profile",
+    "Save",
+    "make_plan",
+    "recorded_rebuilds",
+    "replayed",
+    "simulate",
+]
 
 #: What the plan does with one saved tensor.
 Choice = Literal["keep", "offload", "rebuild"]
@@ -98,6 +107,80 @@ Choice = Literal["keep", "offload", "rebuild"]
 # five windows) plan in about 5 s.
 
 
+# NOTE [ Replayed modules ]
+# A plan's rebuilds are replayed one of two ways. Op by op: the recorder (a
+# TorchDispatchMode) runs Python on every op of the modules it records in,
+# in forward, and backward replays each rebuilt save's ops from Python.
+# Natively: where a plan rebuilds every save of a module but its first,
+# which it keeps (the module's input: checkpointing), and no other rebuild
+# records in that module, the planned step checkpoints the module the way
+# torch.utils.checkpoint does (hooks around the module's forward, its saves
+# taken by checkpoint's own saved-tensor hooks; backward runs the module's
+# forward again, dropout masks from the saved RNG state): no Python per op
+# either way. replayed() names those modules; the hooks layer and the
+# planner share it. The planner charges each rebuild replayed op by op
+# Profile.recorded_rebuild_s on top of its compute, zero until a planned
+# step on a device measured it (NOTE [ Planned steps ] in tierstore/plans.py;
+# a CPU's profile times its ops on the host, recorder included), and tries
+# plans that checkpoint the first modules with the link and op-by-op
+# rebuilds making up the rest (_checkpointed). On a GPU the recorder's Python
+# is what a step waits on: a plan that rebuilt a few saves in every block
+# ran at 1.4x the step it predicted.
+
+
+def replayed(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, int, int], ...]:
+    """The modules ``choices`` replays natively, each with its saves ``[first, end)``.
+
+    NOTE [ Replayed modules ].
+
+    Example:
+        >>> from tierstore.planner import Profile, Save, replayed
+        >>> saves = tuple(Save(10, "aten.mm", m, 0.0, 0.0, 0.1) for m in "aabb")
+        >>> p = Profile(saves, 1.0, 1.0, 0.0, 1e9, 1e9, 10)
+        >>> replayed(p, ("keep", "rebuild", "keep", "keep"))
+        (('a', 0, 2),)
+    """
+    saves = profile.saves
+    out = tuple(
+        (module, first, end)
+        for module, first, end in profile.spans
+        if choices[first] == "keep"
+        and all(choices[j] == "rebuild" for j in range(first + 1, end))
+        and all(m == module for j in range(first + 1, end) for m in saves[j].made_in)
+    )
+    if not out:
+        return out
+    native = {j for _, first, end in out for j in range(first, end)}
+    recorded = {
+        m
+        for i, (save, choice) in enumerate(zip(saves, choices, strict=True))
+        if choice == "rebuild" and i not in native
+        for m in (save.made_in or (save.module,))
+    }
+    return tuple(span for span in out if span[0] not in recorded)
+
+
+def recorded_rebuilds(profile: Profile, choices: Sequence[Choice]) -> int:
+    """How many saves ``choices`` rebuilds op by op (NOTE [ Replayed modules ]).
+
+    Example:
+        >>> from tierstore.planner import Profile, Save, recorded_rebuilds
+        >>> saves = tuple(Save(10, "aten.mm", m, 0.0, 0.0, 0.1) for m in "aabb")
+        >>> p = Profile(saves, 1.0, 1.0, 0.0, 1e9, 1e9, 10)
+        >>> recorded_rebuilds(p, ("keep", "rebuild", "rebuild", "rebuild"))
+        2
+    """
+    native = sum(end - first - 1 for _, first, end in replayed(profile, choices))
+    return sum(c == "rebuild" for c in choices) - native
+
+
+def _natively_rebuilt(profile: Profile, choices: Sequence[Choice]) -> set[int]:
+    """The saves ``choices`` rebuilds natively; empty where op by op costs nothing more."""
+    if not profile.recorded_rebuild_s:
+        return set()
+    return {j for _, first, end in replayed(profile, choices) for j in range(first + 1, end)}
+
+
 @dataclass(frozen=True)
 class Save:
     """One saved tensor of a profiled step, in the order forward saved it.
@@ -144,6 +227,10 @@ class Profile:
             saves under ``min_offload_bytes``): counted in every peak.
         shared_link: one link both ways (a disk: reads queue behind writes),
             rather than a copy engine each way (PCIe).
+        recorded_rebuild_s: what each rebuild replayed op by op costs on top
+            of its compute (NOTE [ Replayed modules ]).
+        device_timed: the compute times are a device's, from its events: the
+            host's time per op is not in them (a CPU's profile times the host).
     """
 
     saves: tuple[Save, ...]
@@ -156,6 +243,25 @@ class Profile:
     moved_s_per_byte: float = 0.0
     fixed_bytes: int = 0
     shared_link: bool = False
+    recorded_rebuild_s: float = 0.0
+    device_timed: bool = False
+
+    @cached_property
+    def spans(self) -> tuple[tuple[str, int, int], ...]:
+        """The modules whose saves follow one another, each with ``[first, end)``, in order.
+
+        Only such a module can be replayed natively (NOTE [ Replayed modules ]).
+        """
+        bounds: dict[str, list[int]] = {}
+        count: dict[str, int] = {}
+        for i, save in enumerate(self.saves):
+            bounds.setdefault(save.module, [i, i])[1] = i + 1
+            count[save.module] = count.get(save.module, 0) + 1
+        return tuple(
+            (module, first, end)
+            for module, (first, end) in bounds.items()
+            if module and end - first == count[module] and end - first > 1
+        )
 
     @property
     def saved_bytes(self) -> int:
@@ -388,6 +494,8 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
 
     issue(now)
     n_reads = len(reads)
+    per_op = profile.recorded_rebuild_s
+    native = _natively_rebuilt(profile, choices)
     for trigger, kind, i in events:
         save = saves[i]
         at = end_forward + saves[trigger].use_s + delay
@@ -397,7 +505,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
             for j in save.inputs:
                 if choices[j] == "offload":
                     wait(j, trigger)
-            cost = save.rebuild_s or 0.0
+            cost = (save.rebuild_s or 0.0) + (0.0 if i in native else per_op)
             exposed[trigger] += cost
             delay += cost
             now += cost
@@ -467,6 +575,24 @@ def _backward_events(
 ONE_AT_A_TIME = 1
 #: No window: each save waits for its own write, each use reads on demand.
 SYNCHRONOUS = 0
+
+
+def _checkpointed(profile: Profile, budget: int, window: int) -> list[tuple[Choice, ...]]:
+    """Plans that checkpoint the first modules, replayed natively (NOTE [ Replayed modules ]).
+
+    The fewest first modules that fit alone, and one and two fewer, from
+    which the greedy frees the rest with the link or op-by-op rebuilds. A
+    random op's save is rebuilt too: checkpointing replays its RNG state
+    (op by op, it is never rebuilt; its compute counts as none).
+    """
+    choices = list(_all(profile, "keep"))
+    templates: list[tuple[Choice, ...]] = []
+    for _, first, end in profile.spans:
+        choices[first + 1 : end] = ["rebuild"] * (end - first - 1)
+        templates.append(tuple(choices))
+        if simulate(profile, templates[-1], window).peak_bytes <= budget:
+            return templates[-3:][::-1]
+    return []
 
 
 def _windows(profile: Profile) -> list[int]:
@@ -635,11 +761,12 @@ class _MoveBounds:
     def _facts(self, now: Outcome) -> tuple[int, float]:
         if self._of is None or self._of[0] is not now:
             profile, kept, rebuild, moved = self._profile, 0, 0.0, 0
-            for save, choice in zip(profile.saves, self._choices, strict=True):
+            per_op, native = profile.recorded_rebuild_s, _natively_rebuilt(profile, self._choices)
+            for i, (save, choice) in enumerate(zip(profile.saves, self._choices, strict=True)):
                 if choice == "keep":
                     kept += save.nbytes
                 elif choice == "rebuild":
-                    rebuild += save.rebuild_s or 0.0
+                    rebuild += (save.rebuild_s or 0.0) + (0.0 if i in native else per_op)
                 else:
                     moved += save.nbytes
             compute = profile.other_s + profile.forward_s + profile.backward_s
@@ -657,10 +784,20 @@ class _MoveBounds:
             return save.rebuild_s or 0.0
         return save.nbytes * self._per_byte if choice == "offload" else 0.0
 
+    @cached_property
+    def _replay_slack(self) -> float:
+        """The most one move changes the op-by-op charges of others: a module made or unmade.
+
+        NOTE [ Replayed modules ]; the move's own charge is in it too.
+        """
+        profile = self._profile
+        longest = max((end - first for _, first, end in profile.spans), default=1)
+        return profile.recorded_rebuild_s * longest
+
     def most_saved(self, i: int, choice: Choice, now: Outcome) -> float:
         """The most time moving save ``i`` to ``choice`` can take off ``now``'s step."""
         waits = self._facts(now)[1]
-        return self._cost(i, self._choices[i]) + waits - self._cost(i, choice)
+        return self._cost(i, self._choices[i]) + waits - self._cost(i, choice) + self._replay_slack
 
 
 def _choices_of(save: Save) -> tuple[Choice, ...]:
@@ -721,7 +858,10 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
     for window in [*_windows(profile), *last]:
         if window in last and fits:
             break
-        first = [_plan_for_window(profile, budget_bytes, window, start) for start in starts]
+        first = [
+            _plan_for_window(profile, budget_bytes, window, start)
+            for start in (*starts, *_checkpointed(profile, budget_bytes, window))
+        ]
         first += [(list(c), simulate(profile, c, window)) for c in starts[1:]]
         fitting = [t for t in first if t[1].peak_bytes <= budget_bytes]
         if fitting:

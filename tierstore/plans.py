@@ -39,6 +39,7 @@ from tierstore.planner import (
     Save,
     fits_everything,
     make_plan,
+    recorded_rebuilds,
     simulate,
 )
 
@@ -573,6 +574,7 @@ class PlanRunner:
         self._unseen: Literal["first", "any"] | None = None
         self._step: _Step | None = None
         self._checks: dict[tuple[int, ...], _Checks] = {}  # NOTE [ Planned steps ]
+        self._recorded_rebuild_s = 0.0  # measured (NOTE [ Replayed modules ] in planner.py)
         self._warmed = False  # the store's first step warms up; the next is the profile
         self.warnings: list[str] = []  # for the caller to issue, each once
         self._warned = False
@@ -788,6 +790,29 @@ class PlanRunner:
         self._plans.move_to_end(expected)
         while len(self._plans) > PLANS_KEPT:
             self._checks.pop(self._plans.popitem(last=False)[0], None)
+
+    def replays(self, plan: Plan, first: int, end: int) -> bool:
+        """Whether a module whose saves are ``plan``'s ``[first, end)`` replays natively here.
+
+        NOTE [ Replayed modules ] in planner.py: only a planned step on
+        ``plan``, at the module's first save, checkpoints it; its saves then
+        never reach the pack hook, and the step goes on past them. The
+        first, the module's input, may have come already: torch.utils.checkpoint
+        saves its inputs through the hooks outside it (torch 2.5 and later).
+        """
+        step = self._step if self._step is not None else self._begin()
+        if (
+            self.plan is not plan
+            or step.index not in (first, first + 1)
+            or step.profiling
+            or step.waiting
+            or step.deviated_at is not None
+            or step.backward_at is not None
+        ):
+            return False
+        step.index = end
+        step.following = True
+        return True
 
     def kept_fixed(self, nbytes: int) -> None:
         """A save that stays whatever the plan (keep(), small): in every peak."""
@@ -1013,6 +1038,9 @@ class PlanRunner:
             fixed_bytes=step.fixed_bytes,
             moved_s_per_byte=per_byte,
             shared_link=not step.cuda,
+            # What a planned step measured (NOTE [ Replayed modules ] in planner.py).
+            recorded_rebuild_s=self._recorded_rebuild_s,
+            device_timed=busy,
         )
         return self._make(profile, "made", expected=expected)
 
@@ -1193,11 +1221,21 @@ class PlanRunner:
         checks.off = 0.0
         checks.times.clear()
         profile = plan.profile
-        moved = 2 * plan.bytes_by_choice()["offload"]
-        without = plan.predicted_step_s - profile.moved_s_per_byte * moved
-        if basis > plan.predicted_step_s and moved:
-            per_byte = (basis - without) / moved
-            return self._remake(replace(profile, moved_s_per_byte=per_byte))
+        if basis > plan.predicted_step_s:
+            # Slower than predicted: on a device, charged to the rebuilds replayed
+            # op by op first (NOTE [ Replayed modules ] in planner.py), else to
+            # the moved bytes.
+            recorded = recorded_rebuilds(profile, plan.choices) if profile.device_timed else 0
+            if recorded:
+                per_op = profile.recorded_rebuild_s
+                per_op += (basis - plan.predicted_step_s) / recorded
+                self._recorded_rebuild_s = per_op
+                return self._remake(replace(profile, recorded_rebuild_s=per_op))
+            moved = 2 * plan.bytes_by_choice()["offload"]
+            if moved:
+                without = plan.predicted_step_s - profile.moved_s_per_byte * moved
+                per_byte = (basis - without) / moved
+                return self._remake(replace(profile, moved_s_per_byte=per_byte))
         return self._rescaled(_scaled(profile, basis / plan.predicted_step_s))
 
 
