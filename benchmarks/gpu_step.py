@@ -149,8 +149,10 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 measured_step()
         warmup = len(steps)
         averages = prof.key_averages()
-        print(averages.table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=40), file=sys.stderr)
         print(averages.table(sort_by="self_cuda_time_total", row_limit=25), file=sys.stderr)
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
     for _ in range(args.steps):
         measured_step()
     timed = steps[warmup:]
@@ -201,7 +203,19 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 "table": str(plan),
             }
         s = store.stats()
-        out["stats"] = {"kept": s.kept, "packed": s.packed, "recomputed": s.recomputed}
+        out["stats"] = {
+            name: getattr(s, name)
+            for name in (
+                "kept",
+                "packed",
+                "recomputed",
+                "prefetch_hits",
+                "prefetch_misses",
+                "prefetch_stalls",
+                "pack_waits",
+                "bytes_prefetched",
+            )
+        }
         with sdpa_kernel(SDPBackend.MATH):
             model(tokens).backward()
             ref = [p.grad.clone() for p in model.parameters()]
@@ -229,6 +243,7 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=16384)
     p.add_argument("--json", default=None)
     p.add_argument("--profile", default=None, metavar="ROW", help="profile 2 steps of ROW")
+    p.add_argument("--trace", default=None, metavar="PATH", help="the profile's chrome trace")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one is not None:

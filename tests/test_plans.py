@@ -1315,10 +1315,8 @@ def test_a_plan_that_rebuilds_whole_blocks_checkpoints_them_natively(
     assert [name for name, _, _ in spans] == ["GPT.blocks.0", "GPT.blocks.2"]
     assert calls == []  # nothing recorded
     assert not any(type(p) is Recipe for p in seen)
-    # Every save but the blocks' own reached the pack hook; a block's input
-    # did, on a torch whose checkpoint saves its inputs.
-    inside = sum(end - first - 1 for _, first, end in spans)
-    assert packed in (len(plan.choices) - inside, len(plan.choices) - inside - len(spans))
+    # Every save but the blocks' own reached the pack hook: their inputs kept as they are.
+    assert packed == len(plan.choices) - sum(end - first - 1 for _, first, end in spans)
     saves = plan.profile.saves
     rebuilt = [saves[j].nbytes for _, first, end in spans for j in range(first + 1, end)]
     assert after.recomputed - before.recomputed == len(rebuilt)

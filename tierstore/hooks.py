@@ -32,7 +32,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -121,7 +121,7 @@ class _Local(threading.local):
     getattr, which costs a save microseconds.
     """
 
-    tier: Tier | None = None
+    tier: Tier | Literal["as is"] | None = None
     recompute = False
     recorder: Recorder | None = None
     names: _ModuleNames | None = None  # a profiled block's (NOTE [ Naming modules ])
@@ -192,7 +192,8 @@ torch.nn.modules.module.register_module_buffer_registration_hook(_buffers.regist
 
 def _requested_tier() -> Tier | None:
     """The tier the innermost keep() asks for, ``None`` outside any (NOTE [ Named tiers ])."""
-    return _local.tier
+    tier = _local.tier
+    return "device" if tier == "as is" else tier
 
 
 def _checked_tier(tier: object, where: str) -> Tier:
@@ -569,7 +570,14 @@ class _Regions:
         if plan is None or begin is None:
             return
         checkpointing = _checkpointing(module, args, kwargs, self._replaying)
-        next(checkpointing)  # a torch that saves the inputs packs them here, the first save
+        # Checkpoint saves the module's inputs (and, on some torch, a dummy)
+        # through the hooks outside it: kept as they are, counted by the plan,
+        # which kept the module's first save, its input.
+        outer, _local.tier = _local.tier, "as is"
+        try:
+            next(checkpointing)
+        finally:
+            _local.tier = outer
         tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if not begin(plan, first, end, tensor):
             checkpointing.close()  # type: ignore[attr-defined]
@@ -1226,6 +1234,8 @@ class TierStore:
                             return _kept(t, nbytes)
                         return self._pack_planned(t, nbytes, choice)
         else:
+            if tier == "as is":  # a replayed module's inputs: NOTE [ Replayed modules ]
+                return _kept(t, t.numel() * t.element_size())
             nbytes = "keep" if tier == "device" else _offload_nbytes(t, self._min_bytes)
             if type(nbytes) is int:
                 return self._pack_stored(t, nbytes, tier)

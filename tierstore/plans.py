@@ -796,14 +796,13 @@ class PlanRunner:
 
         NOTE [ Replayed modules ] in planner.py: only a planned step on
         ``plan``, at the module's first save, checkpoints it; its saves then
-        never reach the pack hook, and the step goes on past them. The
-        first, the module's input, may have come already: torch.utils.checkpoint
-        saves its inputs through the hooks outside it (torch 2.5 and later).
+        never reach the pack hook (checkpoint's own hooks take them; the
+        first, its input, it keeps), and the step goes on past them.
         """
         step = self._step if self._step is not None else self._begin()
         if (
             self.plan is not plan
-            or step.index not in (first, first + 1)
+            or step.index != first
             or step.profiling
             or step.waiting
             or step.deviated_at is not None
