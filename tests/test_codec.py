@@ -298,3 +298,16 @@ def test_the_longest_short_header_is_within_its_bound() -> None:
             for s in (span, room[codec.HEADROOM :]):
                 frame = codec.encode(s, compression, headroom=s is not span)
                 assert frame.nbytes <= codec.record_bound(nbytes, compression)
+
+
+def test_a_digest_given_beforehand_frames_the_same_record() -> None:
+    """NOTE [ Checksums beside the I/O ]: the hasher's digest is the one encode computes."""
+    span = torch.arange(1000.0)
+    framed = codec.encode(span)
+    given = codec.encode(span, digest=codec.checksum(codec.byte_view(span)))
+    assert given.header == framed.header
+    assert torch.equal(
+        codec.decode(codec.parse_header(given.header), bytearray(given.payload)), span
+    )
+    with pytest.raises(ValueError, match="for uncompressed spans only"):
+        codec.encode(span, "zstd", digest=framed.header.decode("latin-1")[-16:])

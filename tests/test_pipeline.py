@@ -16,9 +16,11 @@ import torch
 from torch import nn
 
 import tierstore
+from tierstore import codec
 from tierstore.backends.file import FileBackend
 from tierstore.backends.lmdb import LmdbBackend
 from tierstore.bench.gpt import GPT, GPTConfig
+from tierstore.pipeline import Pipeline
 
 
 def _config(root: Path, backend: str = "file", **settings: Any) -> tierstore.TierConfig:
@@ -245,3 +247,57 @@ def test_dropped_store_stops_its_threads(spill_root: Path) -> None:
     gc.collect()
     assert set(_io_threads()) <= before
     assert os.listdir(spill_root) == []
+
+
+# -- NOTE [ Checksums beside the I/O ] ------------------------------------------
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_checksums_run_beside_the_io_workers(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch, compression: str
+) -> None:
+    """Uncompressed records hash on the hasher thread, both ways; zstd ones in their job."""
+    hashed_on: list[str] = []
+    real = codec.checksum
+    span = torch.linspace(-1, 1, 1 << 16)
+    expected = codec.encode(span, compression)  # before the spy: this thread hashes
+
+    def spy(data: memoryview | bytes | bytearray) -> str:
+        hashed_on.append(threading.current_thread().name)
+        return real(data)
+
+    monkeypatch.setattr(codec, "checksum", spy)
+    pipe = Pipeline(_config(spill_root, compression=compression))
+    record = pipe.submit_write(1, span).result()
+    assert record.header == expected.header
+    assert torch.equal(pipe.submit_read(1, record).result(), span)
+    pipe.close()
+    where = "tierstore-hash" if compression == "none" else "tierstore-io"
+    assert len(hashed_on) == 2 and all(n.startswith(where) for n in hashed_on), hashed_on
+
+
+@pytest.mark.parametrize("backend", ["file", "lmdb"])
+def test_records_reused_pass_after_pass_read_back_exactly(spill_root: Path, backend: str) -> None:
+    """Every pass writes new bytes into the room the last one freed; nothing is left after."""
+    before = set(_io_threads())
+    pipe = Pipeline(_config(spill_root, backend, io_workers=3))
+    sizes = [1 << 20, 3 << 16, 5000, 1 << 18, 7, 1 << 20]
+    key = 0
+    for index in range(3):
+        gen = torch.Generator().manual_seed(index)
+        spans = [torch.randn(n, generator=gen) for n in sizes]
+        writes = {}
+        for span in spans:  # all at once: writes queue behind each other
+            key += 1
+            writes[key] = (span, pipe.submit_write(key, span))
+        reads = {k: pipe.submit_read(k, w) for k, (_, w) in writes.items()}
+        for k, (span, _) in writes.items():
+            assert torch.equal(reads[k].result(), span), (index, k)
+        for k in reversed(writes):  # newest first, as backward frees them
+            pipe.delete(k)
+        pipe.settle_deletes()
+    disk = pipe.backend_if_open
+    assert disk is not None and (len(disk), disk.used_bytes) == (0, 0)
+    pipe.close()
+    assert os.listdir(spill_root) == []
+    assert set(_io_threads()) <= before

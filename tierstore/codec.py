@@ -594,6 +594,7 @@ def encode(
     alloc: Alloc | None = None,
     *,
     headroom: bool = False,
+    digest: str | None = None,
 ) -> Frame:
     """Frame a 1-D CPU span as a self-describing record.
 
@@ -607,6 +608,9 @@ def encode(
         headroom: ``span``'s storage has :data:`HEADROOM` bytes of
             tierstore's own in front of it, free for the header
             (NOTE [ Records in one buffer ]).
+        digest: :func:`checksum` of ``span``'s bytes, computed beforehand
+            (uncompressed only: NOTE [ Checksums beside the I/O ] in
+            ``tierstore/pipeline.py``); ``None``: computed here.
 
     Example:
         >>> import torch, safetensors.torch
@@ -617,6 +621,8 @@ def encode(
     """
     span = span.contiguous()
     dtype = span.dtype
+    if digest is not None and compression != "none":
+        raise ValueError("encode: a digest given beforehand is for uncompressed spans only")
     if compression == "zstd":
         shuffle = dtype.itemsize if dtype in _SHUFFLE and span.numel() > 1 else 0
         raw = span.view(torch.uint8)
@@ -631,7 +637,8 @@ def encode(
         header = _header(meta, "U8", [data.nbytes], padded=data.nbytes >= ALIGNED_MIN)
         return Frame(header, data, out, out[: HEADROOM + data.nbytes])
     payload = byte_view(span)
-    meta = FrameMeta(dtype, span.numel(), "none", 0, payload.nbytes, checksum(payload))
+    digest = checksum(payload) if digest is None else digest
+    meta = FrameMeta(dtype, span.numel(), "none", 0, payload.nbytes, digest)
     room = _room(span) if headroom else None
     padded = room is not None and payload.nbytes >= ALIGNED_MIN
     st = _ST_DTYPES.get(dtype)
