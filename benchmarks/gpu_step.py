@@ -262,6 +262,8 @@ def main() -> int:
             print(done.stderr[-20000:], flush=True)
         row = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append(row)
+        if args.json:  # each row as it ends: a run cut short keeps what it measured
+            _dump(args.json, rows)
     base = next((r for r in rows if r["row"] == "none"), None)
     gib = 1 << 30
     for r in rows:
@@ -299,19 +301,21 @@ def main() -> int:
             f"{r['mean_s'] / r['median_s']:.2f} max/med {r['max_over_median']:.2f}  {mem}{extra}",
             flush=True,
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "argv": sys.argv,
-                    "torch": torch.__version__,
-                    "device": torch.cuda.get_device_name(),
-                    "rows": rows,
-                },
-                f,
-                indent=1,
-            )
     return 0
+
+
+def _dump(path: str, rows: list[dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        json.dump(
+            {
+                "argv": sys.argv,
+                "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(),
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

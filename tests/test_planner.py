@@ -706,6 +706,10 @@ def test_replayed_modules_are_those_rebuilt_whole_from_a_kept_input() -> None:
     q = dataclasses.replace(p, saves=(*p.saves[:8], made_in_m1))
     assert replayed(q, whole + whole + ("keep", "keep", "rebuild")) == (("m.0", 0, 3),)
     assert recorded_rebuilds(q, whole + whole + ("keep", "keep", "rebuild")) == 3
+    # Nor a module that ran compiled: checkpoint would replay it eagerly.
+    ran_compiled = dataclasses.replace(p.saves[1], compiled=True)
+    r = dataclasses.replace(p, saves=(p.saves[0], ran_compiled, *p.saves[2:]))
+    assert replayed(r, whole * 3) == (("m.1", 3, 6), ("m.2", 6, 9))
     # Saves of a module that come apart (its output saved after another's) never replay.
     apart = dataclasses.replace(p, saves=(*p.saves[:2], p.saves[3], p.saves[2], *p.saves[4:]))
     assert [m for m, _, _ in apart.spans] == ["m.2"]

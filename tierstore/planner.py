@@ -197,6 +197,8 @@ class Save:
             first and live until their own use.
         made_in: the modules whose forward ran the ops a rebuild replays
             (where the store records them; empty: ``module``).
+        compiled: ``module`` ran in a compiled region, which handed its saves
+            over: never checkpointed (NOTE [ Replayed modules ]).
     """
 
     nbytes: int
@@ -207,6 +209,7 @@ class Save:
     rebuild_s: float | None = None
     inputs: tuple[int, ...] = ()
     made_in: tuple[str, ...] = ()
+    compiled: bool = False
 
 
 @dataclass(frozen=True)
@@ -250,17 +253,25 @@ class Profile:
     def spans(self) -> tuple[tuple[str, int, int], ...]:
         """The modules whose saves follow one another, each with ``[first, end)``, in order.
 
-        Only such a module can be replayed natively (NOTE [ Replayed modules ]).
+        Only such a module can be replayed natively (NOTE [ Replayed modules ]),
+        and only one that ran outside every compiled region: checkpoint would
+        replay eagerly what ran compiled, and save other tensors.
         """
         bounds: dict[str, list[int]] = {}
         count: dict[str, int] = {}
+        compiled: set[str] = set()
         for i, save in enumerate(self.saves):
             bounds.setdefault(save.module, [i, i])[1] = i + 1
             count[save.module] = count.get(save.module, 0) + 1
+            if save.compiled:
+                compiled.add(save.module)
         return tuple(
             (module, first, end)
             for module, (first, end) in bounds.items()
-            if module and end - first == count[module] and end - first > 1
+            if module
+            and end - first == count[module]
+            and end - first > 1
+            and module not in compiled
         )
 
     @property

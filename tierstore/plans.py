@@ -91,8 +91,14 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # three after), and a prediction checked only on the first four of those
 # ended at 1.21x the measured step. A step slower than predicted charges
 # the difference to the bytes it moved (moved_s_per_byte: on a CPU, copies
-# and checksums share its cores with the step); a faster one scales the
-# profile's compute times down to it. Once a prediction holds, a plan is
+# and checksums share its cores with the step) and, on a device, to the
+# rebuilds it replayed op by op (recorded_rebuild_s: the recorder's Python,
+# which a device's event-timed profile does not see; NOTE [ Replayed
+# modules ] in planner.py), each in full, and remakes the plan; a faster
+# one scales the profile's compute times down to it. On the H200 a budget's
+# first plan, which rebuilt a few saves in every block and offloaded a
+# little, ran at 2x its prediction; the plans remade from it checkpoint the
+# first blocks natively. Once a prediction holds, a plan is
 # remade only when three steps' median leaves it by 10%: re-planning costs
 # time, and a plan that keeps changing cannot be measured.
 
@@ -998,6 +1004,7 @@ class PlanRunner:
                 rebuild_s=r.rebuild_s() if callable(r.rebuild_s) else r.rebuild_s,
                 inputs=r.inputs,
                 made_in=r.made_in,
+                compiled=r.module in step.compiled_in,
             )
             for r in rows
         )
@@ -1221,20 +1228,21 @@ class PlanRunner:
         checks.times.clear()
         profile = plan.profile
         if basis > plan.predicted_step_s:
-            # Slower than predicted: on a device, charged to the rebuilds replayed
-            # op by op first (NOTE [ Replayed modules ] in planner.py), else to
-            # the moved bytes.
+            # Slower than predicted: the excess is charged to the moved bytes
+            # and, on a device, to the rebuilds replayed op by op (NOTE [ Replayed
+            # modules ] in planner.py), each as if it alone were the cause, so
+            # that the next plan does without what cost more than priced.
+            excess = basis - plan.predicted_step_s
             recorded = recorded_rebuilds(profile, plan.choices) if profile.device_timed else 0
-            if recorded:
-                per_op = profile.recorded_rebuild_s
-                per_op += (basis - plan.predicted_step_s) / recorded
-                self._recorded_rebuild_s = per_op
-                return self._remake(replace(profile, recorded_rebuild_s=per_op))
             moved = 2 * plan.bytes_by_choice()["offload"]
-            if moved:
-                without = plan.predicted_step_s - profile.moved_s_per_byte * moved
-                per_byte = (basis - without) / moved
-                return self._remake(replace(profile, moved_s_per_byte=per_byte))
+            if recorded or moved:
+                if recorded:
+                    self._recorded_rebuild_s = profile.recorded_rebuild_s + excess / recorded
+                    profile = replace(profile, recorded_rebuild_s=self._recorded_rebuild_s)
+                if moved:
+                    per_byte = profile.moved_s_per_byte + excess / moved
+                    profile = replace(profile, moved_s_per_byte=per_byte)
+                return self._remake(profile)
         return self._rescaled(_scaled(profile, basis / plan.predicted_step_s))
 
 
