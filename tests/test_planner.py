@@ -690,7 +690,7 @@ def _blocks(n: int, per: int, *, recorded: float, link: float = 1e3) -> Profile:
         for k in range(per)
     )
     return Profile(saves, 0.001 * n * per, 0.002 * n * per, 0.0, link, link, 1000,
-                   recorded_rebuild_s=recorded, device_timed=True)  # fmt: skip
+                   recorded_rebuild_s=recorded)  # fmt: skip
 
 
 def test_replayed_modules_are_those_rebuilt_whole_from_a_kept_input() -> None:

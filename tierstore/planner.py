@@ -120,8 +120,8 @@ Choice = Literal["keep", "offload", "rebuild"]
 # either way. replayed() names those modules; the hooks layer and the
 # planner share it. The planner charges each rebuild replayed op by op
 # Profile.recorded_rebuild_s on top of its compute, zero until a planned
-# step on a device measured it (NOTE [ Planned steps ] in tierstore/plans.py;
-# a CPU's profile times its ops on the host, recorder included), and tries
+# step measured it (NOTE [ Planned steps ] in tierstore/plans.py: the
+# profile times each op, not the Python around it), and tries
 # plans that checkpoint the first modules with the link and op-by-op
 # rebuilds making up the rest (_checkpointed). On a GPU the recorder's Python
 # is what a step waits on: a plan that rebuilt a few saves in every block
@@ -232,8 +232,6 @@ class Profile:
             rather than a copy engine each way (PCIe).
         recorded_rebuild_s: what each rebuild replayed op by op costs on top
             of its compute (NOTE [ Replayed modules ]).
-        device_timed: the compute times are a device's, from its events: the
-            host's time per op is not in them (a CPU's profile times the host).
     """
 
     saves: tuple[Save, ...]
@@ -247,7 +245,6 @@ class Profile:
     fixed_bytes: int = 0
     shared_link: bool = False
     recorded_rebuild_s: float = 0.0
-    device_timed: bool = False
 
     @cached_property
     def spans(self) -> tuple[tuple[str, int, int], ...]:

@@ -91,14 +91,14 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # three after), and a prediction checked only on the first four of those
 # ended at 1.21x the measured step. A step slower than predicted charges
 # the difference to the bytes it moved (moved_s_per_byte: on a CPU, copies
-# and checksums share its cores with the step) and, on a device, to the
-# rebuilds it replayed op by op (recorded_rebuild_s: the recorder's Python,
-# which a device's event-timed profile does not see; NOTE [ Replayed
-# modules ] in planner.py), each in full, and remakes the plan; a faster
-# one scales the profile's compute times down to it. On the H200 a budget's
-# first plan, which rebuilt a few saves in every block and offloaded a
-# little, ran at 2x its prediction; the plans remade from it checkpoint the
-# first blocks natively. Once a prediction holds, a plan is
+# and checksums share its cores with the step) and to the rebuilds it
+# replayed op by op (recorded_rebuild_s: the recorder's Python, which the
+# profile's op times do not hold; NOTE [ Replayed modules ] in planner.py),
+# each in full, and remakes the plan; a faster one scales the profile's
+# compute times down to it. On the H200 a budget's first plan, which rebuilt
+# a few saves in every block and offloaded a little, ran at 2x its
+# prediction, and on bench train's small CPU model at 1.2-1.3x; the plans
+# remade from them checkpoint the first blocks natively. Once a prediction holds, a plan is
 # remade only when three steps' median leaves it by 10%: re-planning costs
 # time, and a plan that keeps changing cannot be measured.
 
@@ -1046,7 +1046,6 @@ class PlanRunner:
             shared_link=not step.cuda,
             # What a planned step measured (NOTE [ Replayed modules ] in planner.py).
             recorded_rebuild_s=self._recorded_rebuild_s,
-            device_timed=busy,
         )
         return self._make(profile, "made", expected=expected)
 
@@ -1229,11 +1228,11 @@ class PlanRunner:
         profile = plan.profile
         if basis > plan.predicted_step_s:
             # Slower than predicted: the excess is charged to the moved bytes
-            # and, on a device, to the rebuilds replayed op by op (NOTE [ Replayed
-            # modules ] in planner.py), each as if it alone were the cause, so
-            # that the next plan does without what cost more than priced.
+            # and to the rebuilds replayed op by op (NOTE [ Replayed modules ]
+            # in planner.py), each as if it alone were the cause, so that the
+            # next plan does without what cost more than priced.
             excess = basis - plan.predicted_step_s
-            recorded = recorded_rebuilds(profile, plan.choices) if profile.device_timed else 0
+            recorded = recorded_rebuilds(profile, plan.choices)
             moved = 2 * plan.bytes_by_choice()["offload"]
             if recorded or moved:
                 if recorded:
