@@ -7,6 +7,7 @@ tokens and dropout masks (each step reseeds the generator).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import math
@@ -1145,6 +1146,30 @@ def test_a_peak_above_the_budget_remakes_the_plan_once_then_warns_once(compiled:
         assert "TIERSTORE_ACTIVATION_BUDGET" in message and "compile" not in message
 
 
+class Block(torch.nn.Module):
+    """A residual MLP block: ``x + fc2(act(fc1(x)))``."""
+
+    def __init__(self, act: torch.nn.Module) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = torch.nn.Linear(32, 128), act, torch.nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class Net(torch.nn.Module):
+    """Four :class:`Block`, one after another."""
+
+    def __init__(self, act: torch.nn.Module) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(copy.deepcopy(act)) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 def test_the_table_has_a_row_per_block_under_offload_module(
     budget_store: Callable[..., tierstore.TierStore],
 ) -> None:
@@ -1152,30 +1177,8 @@ def test_the_table_has_a_row_per_block_under_offload_module(
     # blocks' submodules summed over every block (Block.fc1, Block, ...): the
     # names came from a tracker entered inside a block's forward. They come
     # from the stack now (NOTE [ Naming modules ] in hooks.py).
-    class Block(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc1, self.act, self.fc2 = (
-                torch.nn.Linear(32, 128),
-                torch.nn.GELU(),
-                torch.nn.Linear(128, 32),
-            )
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.fc2(self.act(self.fc1(x)))
-
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = torch.nn.ModuleList(Block() for _ in range(4))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for block in self.blocks:
-                x = block(x)
-            return x
-
     store = budget_store(0.5)
-    model = Net()
+    model = Net(torch.nn.GELU())
     handles = [tierstore.offload_module(b, store=store) for b in model.blocks]
     x = torch.randn(16, 32)
     for _ in range(4):
@@ -1338,28 +1341,6 @@ def test_a_checkpointed_block_under_offload_module_nests_inside_the_blocks_hooks
     # offload_module opens the store's block in each module's forward
     # pre-hook and closes it in its forward hook; the checkpoint of a
     # replayed module must end before (NOTE [ Replayed modules ] in planner.py).
-    class Block(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc1, self.drop, self.fc2 = (
-                torch.nn.Linear(32, 128),
-                torch.nn.Dropout(0.1),
-                torch.nn.Linear(128, 32),
-            )
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.fc2(self.drop(torch.nn.functional.gelu(self.fc1(x))))
-
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = torch.nn.ModuleList(Block() for _ in range(4))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for block in self.blocks:
-                x = block(x)
-            return x
-
     monkeypatch.setattr(plans, "make_plan", _checkpointing_blocks(("blocks.0", "blocks.2")))
     store = tierstore.TierStore(
         tierstore.TierConfig(activation_budget=0.5, min_offload_bytes=0, disk_path=spill_root)
@@ -1367,7 +1348,7 @@ def test_a_checkpointed_block_under_offload_module_nests_inside_the_blocks_hooks
     assert store._runner is not None
     store._runner.background = False
     torch.manual_seed(0)
-    model, x = Net(), torch.randn(16, 32)
+    model, x = Net(torch.nn.Sequential(torch.nn.GELU(), torch.nn.Dropout(0.1))), torch.randn(16, 32)
 
     def grads(step: int) -> list[torch.Tensor]:
         torch.manual_seed(step)
