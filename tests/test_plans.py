@@ -1330,6 +1330,8 @@ def test_a_plan_that_rebuilds_whole_blocks_checkpoints_them_natively(
     rebuilt = [saves[j].nbytes for _, first, end in spans for j in range(first + 1, end)]
     assert after.recomputed - before.recomputed == len(rebuilt)
     assert after.recomputed_bytes - before.recomputed_bytes == sum(rebuilt)
+    # The plan keeps or rebuilds every save: each one counted once, either way.
+    assert after.packed - before.packed == (after.kept - before.kept) + len(rebuilt)
     # Steps 3 to 5 followed the plan: one that left it is profiled next, recording every op.
     assert store._runner._step is None or store._runner._step.deviated_at is None
     store.close()
