@@ -192,7 +192,7 @@ torch.nn.modules.module.register_module_buffer_registration_hook(_buffers.regist
 
 def _requested_tier() -> Tier | None:
     """The tier the innermost keep() asks for, ``None`` outside any (NOTE [ Named tiers ])."""
-    tier = _local.tier
+    tier = _local.tier  # "as is" lasts only while checkpoint saves a module's inputs
     return "device" if tier == "as is" else tier
 
 
@@ -492,7 +492,8 @@ class _Block:
 # save that turns out not rebuildable.
 
 
-#: Begin a module's native replay in the step under way: (plan, first, end) -> whether it may.
+#: Begin a module's native replay in the step under way: (plan, first save, end, its
+#: first tensor input) -> whether the step is at the module's saves (NOTE [ Replayed modules ]).
 BeginReplay = Callable[[Plan, int, int, torch.Tensor | None], bool]
 
 
