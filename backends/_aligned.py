@@ -42,10 +42,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import os
 import threading
 from collections.abc import Iterator
 
-__all__ = ["PRIVATE", "AlignedBuffer", "AlignedBufferPool", "address", "copy"]
+__all__ = ["PRIVATE", "AlignedBuffer", "AlignedBufferPool", "address", "copy", "direct_io_works"]
 
 #: Flags of every anonymous mapping tierstore makes. Private, not Python's
 #: default MAP_SHARED: shared anonymous memory is shmem, which the kernel
@@ -99,6 +100,40 @@ def copy(dst: memoryview, src: memoryview) -> None:
         dst[:] = src
     else:
         ctypes.memmove(address(dst), address(src), n)
+
+
+#: The block the O_DIRECT probe writes and expects back.
+_PROBE = b"tierstore O_DIRECT probe".ljust(mmap.PAGESIZE, b"\0")
+
+
+def direct_io_works(fd: int) -> bool:
+    """Whether ``fd``, opened with ``O_DIRECT``, writes and reads back one block at offset 0.
+
+    Some filesystems accept the open and fail the first I/O (EINVAL): only a
+    block written and read back says. What was at offset 0 is overwritten.
+
+    Example:
+        >>> import os, tempfile
+        >>> from tierstore.backends._aligned import direct_io_works
+        >>> fd = os.open(os.path.join(tempfile.mkdtemp(), "probe"), os.O_RDWR | os.O_CREAT)
+        >>> direct_io_works(fd)   # no O_DIRECT asked for, yet the round trip holds
+        True
+        >>> os.close(fd)
+    """
+    try:
+        probe = AlignedBuffer(len(_PROBE))
+    except OSError:  # no memory to map
+        return False
+    try:
+        probe.view[:] = _PROBE
+        if os.pwritev(fd, [probe.view], 0) != len(_PROBE):
+            return False
+        probe.view[:] = bytes(len(_PROBE))
+        return os.preadv(fd, [probe.view], 0) == len(_PROBE) and probe.view == _PROBE
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 class AlignedBuffer:

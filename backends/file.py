@@ -89,7 +89,12 @@ import threading
 import weakref
 from typing import ClassVar
 
-from tierstore.backends._aligned import AlignedBuffer, AlignedBufferPool, address, copy
+from tierstore.backends._aligned import (
+    AlignedBufferPool,
+    address,
+    copy,
+    direct_io_works,
+)
 from tierstore.backends._extents import ExtentAllocator
 from tierstore.backends.base import Backend
 from tierstore.config import human_bytes
@@ -111,8 +116,6 @@ _MAX_BUFFERS = 8
 #: The least a growth adds to the file: ``NOTE [ File backend growth ]``.
 _MIN_GROWTH = 16 << 20
 
-#: What the ``O_DIRECT`` probe writes and expects back.
-_PROBE = b"tierstore O_DIRECT probe".ljust(ALIGN, b"\0")
 
 try:
     _IOV_MAX = max(1, os.sysconf("SC_IOV_MAX"))
@@ -260,24 +263,10 @@ class FileBackend(Backend[int]):
         if not flag or self._capacity < ALIGN:
             return None
         try:
-            probe = AlignedBuffer(ALIGN)
-        except OSError:  # no memory to map: the buffered path needs none
-            return None
-        try:
             fd = self._spill.open_file(_DATA_NAME, os.O_RDWR | flag)
         except OSError:
-            probe.close()
             return None
-        try:
-            probe.view[:] = _PROBE
-            ok = os.pwritev(fd, [probe.view], 0) == ALIGN
-            probe.view[:] = bytes(ALIGN)
-            ok = ok and os.preadv(fd, [probe.view], 0) == ALIGN and probe.view == _PROBE
-        except OSError:
-            ok = False
-        finally:
-            probe.close()
-        if not ok:
+        if not direct_io_works(fd):
             os.close(fd)
             return None
         return fd

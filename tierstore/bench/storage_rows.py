@@ -75,7 +75,7 @@ import safetensors.torch
 import torch
 
 from tierstore import codec
-from tierstore.backends._aligned import AlignedBuffer, AlignedBufferPool, copy
+from tierstore.backends._aligned import AlignedBufferPool, copy, direct_io_works
 from tierstore.bench.report import Progress, median
 from tierstore.config import TierConfig
 from tierstore.errors import CorruptDataError, TierstoreError
@@ -105,7 +105,6 @@ IO_WORKERS = 4
 _MIB = 1 << 20
 #: Files in a backend's spill directory that hold no records.
 _NOT_RECORDS = frozenset({".lock", "lock.mdb"})
-_PROBE = b"tierstore bench O_DIRECT probe".ljust(ALIGN, b"\0")
 
 
 @dataclass
@@ -302,23 +301,15 @@ def direct_io_supported(directory: Path) -> bool:
     if not flag:  # pragma: no cover - not Linux
         return False
     path = directory / ".o_direct_probe"
-    buf = AlignedBuffer(ALIGN)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | flag, 0o600)
     except OSError:
-        buf.close()
         return False
     try:
-        buf.view[:] = _PROBE
-        ok = os.pwritev(fd, [buf.view], 0) == ALIGN
-        buf.view[:] = bytes(ALIGN)
-        return ok and os.preadv(fd, [buf.view], 0) == ALIGN and buf.view == _PROBE
-    except OSError:
-        return False
+        return direct_io_works(fd)
     finally:
         os.close(fd)
         path.unlink()
-        buf.close()
 
 
 # -- sessions -----------------------------------------------------------------------
