@@ -141,10 +141,8 @@ def test_without_a_budget_a_save_past_the_bound_waits_for_the_oldest_copy(
         assert torch.equal(m.get(handle), t)
 
 
-def test_with_a_budget_forward_never_waits_on_a_copy_in_flight(
-    copies: list[int], closing: list[TierManager]
-) -> None:
-    # NOTE [ Copies in flight ]: D2H copies whose events have not completed.
+def _budget_manager(copies: list[int], events: list[_Event]) -> TierManager:
+    """A manager under activation_budget whose D2H copies end when the test says so."""
     m = _manager(
         copies,
         host_budget="1MiB",
@@ -152,27 +150,53 @@ def test_with_a_budget_forward_never_waits_on_a_copy_in_flight(
         write_queue_bytes=8192,
         activation_budget="1MiB",
     )
-    closing.append(m)
-    events: list[_Event] = []
 
     def fake_host_copy(span: torch.Tensor) -> HostCopy:
         events.append(_Event())
         return HostCopy(span.clone(), events[-1], None)  # type: ignore[arg-type]
 
     m._transfers.host_copy = fake_host_copy  # type: ignore[method-assign]
-    saved = [torch.randn(1024) for _ in range(5)]  # 4 KiB each
-    handles = [m.put(t) for t in saved[:4]]
+    return m
+
+
+def test_in_a_planned_step_forward_never_waits_on_a_copy_in_flight(
+    copies: list[int], closing: list[TierManager], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ Copies in flight ]: D2H copies whose events have not completed.
+    events: list[_Event] = []
+    m = _budget_manager(copies, events)
+    closing.append(m)
+    assert m.plans is not None
+    # A step on its plan, whose window is the store's own limit.
+    monkeypatch.setattr(type(m.plans), "planned", property(lambda self: True))
+    monkeypatch.setattr(m.plans, "in_flight_bytes", lambda adding=0: None)
+    monkeypatch.setattr(m.plans, "budget_bytes_now", lambda: 1 << 20)
+    saved = [torch.randn(1024) for _ in range(4)]  # 4 KiB each
+    handles = [m.put(t, tier="host") for t in saved]  # as the plan's offloads are put
     # 12 KiB under way, over write_queue_bytes: the fourth save stays on the device.
     assert not any(event.waited for event in events)
     tiers = m.stats().tiers
     assert (tiers["device"].entries, tiers["device"].bytes, tiers["host"].entries) == (1, 4096, 3)
-    for event in events:
-        event.done = True
-    handles.append(m.put(saved[4]))  # the copies landed: the fourth goes down first
+    assert m._entries[handles[3].key].tier == "device"
+    for handle, t in zip(handles, saved, strict=True):
+        assert torch.equal(m.get(handle), t)
+
+
+def test_the_safe_placement_waits_for_the_oldest_copy_past_the_bound(
+    copies: list[int], closing: list[TierManager]
+) -> None:
+    # NOTE [ Copies in flight ]: a step that follows no plan (here the
+    # store's first) offloads everything; staying on the device past the
+    # bound would take the device tier past the budget.
+    events: list[_Event] = []
+    m = _budget_manager(copies, events)
+    closing.append(m)
+    assert m.plans is not None and not m.plans.planned
+    saved = [torch.randn(1024) for _ in range(5)]  # 4 KiB each
+    handles = [m.put(t) for t in saved]
+    assert [e.waited for e in events] == [True, True, False, False, False]
     tiers = m.stats().tiers
-    assert (tiers["device"].entries, tiers["host"].entries) == (0, 5)
-    assert tiers["device"].peak_bytes == 4096
-    assert m._entries[handles[3].key].tier == "host"
+    assert (tiers["device"].entries, tiers["host"].entries, tiers["device"].peak_bytes) == (0, 5, 0)
     for handle, t in zip(handles, saved, strict=True):
         assert torch.equal(m.get(handle), t)
 

@@ -87,15 +87,21 @@ __all__ = ["TierManager", "resting_nbytes"]
 # A D2H copy's source stays on the device until the copy has read it, so
 # the bytes under way are bounded, by write_queue_bytes as the disk queue
 # is. Past that bound:
-#   * without activation_budget, the save waits for the oldest copy, as the
-#     README promises: every eligible save leaves the device, and forward
-#     runs at the link's pace where the link is the bottleneck. (It used to
-#     stay on the device without a word: the tail of forward never moved.)
-#   * with one, forward never blocks the CPU on a CUDA event (while it
-#     waits it queues no kernels, and the copies were meant to hide behind
-#     those): a query, not a wait. While copies over the bound are under
-#     way (the events queried at each call, Transfers.settle), a new save
-#     stays on the device tier, over device_budget if need be, as the
+#   * without activation_budget, and in a step that follows no plan (the
+#     safe placement of the warm-up, profiled and waiting steps), the save
+#     waits for the oldest copy, as the README promises: every eligible
+#     save leaves the device, and forward runs at the link's pace where the
+#     link is the bottleneck. (It used to stay on the device without a
+#     word: the tail of forward never moved. Under the safe placement,
+#     which offloads everything, it let the device tier grow past the
+#     budget by all that the link had not moved yet; an H200's warm-up
+#     steps under a budget peaked at 5.4-6.9 GiB of a 7.6 GiB step, which
+#     max_memory_reserved then kept.)
+#   * in a planned step, forward never blocks the CPU on a CUDA event (while
+#     it waits it queues no kernels, and the copies were meant to hide
+#     behind those): a query, not a wait. While copies over the bound are
+#     under way (the events queried at each call, Transfers.settle), a new
+#     save stays on the device tier, over device_budget if need be, as the
 #     newest entry; the plan bounds what it sends to what the link hides.
 # Once the copies land, the next save first moves the device tier's oldest
 # entries down until it is within budget again or the copies are over the
@@ -827,7 +833,9 @@ class TierManager:
         self._writes.make_room(self._unlocked)
         cap = self._writes.limit.cap_bytes
         device = self._tiers["device"]
-        while self.plans is None and self._transfers.copies_over(cap):
+        # Only a planned step may leave a save on the device instead of waiting.
+        planned = self.plans is not None and self.plans.planned
+        while not planned and self._transfers.copies_over(cap):
             self._unlocked(self._transfers.oldest_copy().synchronize)  # without a budget: wait
             self._transfers.settle()
         while not self._transfers.copies_over(cap):
