@@ -8,6 +8,7 @@ review of that path; the GPU tests cover the streams themselves.)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -141,7 +142,17 @@ def test_without_a_budget_a_save_past_the_bound_waits_for_the_oldest_copy(
         assert torch.equal(m.get(handle), t)
 
 
-def _budget_manager(copies: list[int], events: list[_Event]) -> TierManager:
+class _SlowEvent(_Event):
+    """A copy that takes 10 ms to wait for."""
+
+    def synchronize(self) -> None:
+        time.sleep(0.01)
+        super().synchronize()
+
+
+def _budget_manager(
+    copies: list[int], events: list[_Event], event: type[_Event] = _Event
+) -> TierManager:
     """A manager under activation_budget whose D2H copies end when the test says so."""
     m = _manager(
         copies,
@@ -152,7 +163,7 @@ def _budget_manager(copies: list[int], events: list[_Event]) -> TierManager:
     )
 
     def fake_host_copy(span: torch.Tensor) -> HostCopy:
-        events.append(_Event())
+        events.append(event())
         return HostCopy(span.clone(), events[-1], None)  # type: ignore[arg-type]
 
     m._transfers.host_copy = fake_host_copy  # type: ignore[method-assign]
@@ -189,14 +200,16 @@ def test_the_safe_placement_waits_for_the_oldest_copy_past_the_bound(
     # store's first) offloads everything; staying on the device past the
     # bound would take the device tier past the budget.
     events: list[_Event] = []
-    m = _budget_manager(copies, events)
+    m = _budget_manager(copies, events, _SlowEvent)
     closing.append(m)
     assert m.plans is not None and not m.plans.planned
     saved = [torch.randn(1024) for _ in range(5)]  # 4 KiB each
     handles = [m.put(t) for t in saved]
     assert [e.waited for e in events] == [True, True, False, False, False]
-    tiers = m.stats().tiers
+    stats = m.stats()
+    tiers = stats.tiers
     assert (tiers["device"].entries, tiers["host"].entries, tiers["device"].peak_bytes) == (0, 5, 0)
+    assert stats.pack_wait_s >= 0.02  # both waits, counted as forward's
     for handle, t in zip(handles, saved, strict=True):
         assert torch.equal(m.get(handle), t)
 

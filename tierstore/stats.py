@@ -80,8 +80,8 @@ class Stats:
             backward passes since the store opened (a CUDA copy is waited
             for by the stream, not the host: not counted).
         pack_wait_s: seconds forward waited for the write queue
-            (``write_queue_bytes``) to drain, in all forwards since the
-            store opened.
+            (``write_queue_bytes``) to drain, or on CUDA for the oldest copy
+            off the device, in all forwards since the store opened.
         host_pool_bytes: host memory the pool holds now (pinned on CUDA; 0
             on CPU, where the host tier needs no copy).
         host_pool_misses: copies off the device that found no room in the

@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import os
 import threading
+import time
 import warnings
 import weakref
 from collections import deque
@@ -254,6 +255,7 @@ class TierManager:
         self._recomputed = 0
         self._recomputed_bytes = 0
         self._restrided_views = 0  # NOTE [ Spans ] in codec.py: views that come back dense
+        self._copy_wait_s = 0.0  # forward's waits for D2H copies (NOTE [ Copies in flight ])
         # Saves by where they went (NOTE [ Is it working? ] in tierstore/stats.py).
         self.tally = PackTally()
         self._closed = False
@@ -266,7 +268,7 @@ class TierManager:
                 config,
                 self._pipeline.write_clock,
                 self._pipeline.read_clock,
-                lambda: self._writes.pack_wait_s + self._reads.unpack_wait_s,
+                lambda: self._pack_wait_s() + self._reads.unpack_wait_s,
                 self._pipeline.io_cpu_s,
                 events=cuda_events,  # NOTE [ Timing a profile ] in plans.py
                 device_links=links,
@@ -684,7 +686,7 @@ class TierManager:
             prefetch_misses=reads.misses,
             bytes_prefetched=reads.prefetched_bytes,
             unpack_wait_s=reads.unpack_wait_s,
-            pack_wait_s=writes.pack_wait_s,
+            pack_wait_s=self._pack_wait_s(),
             host_pool_bytes=pinned.reserved_bytes if pinned is not None else 0,
             host_pool_misses=pinned.allocations_outside if pinned is not None else 0,
             disk_io=backend.io_path if backend is not None else None,
@@ -836,7 +838,9 @@ class TierManager:
         # Only a planned step may leave a save on the device instead of waiting.
         planned = self.plans is not None and self.plans.planned
         while not planned and self._transfers.copies_over(cap):
-            self._unlocked(self._transfers.oldest_copy().synchronize)  # without a budget: wait
+            began = time.perf_counter()
+            self._unlocked(self._transfers.oldest_copy().synchronize)
+            self._copy_wait_s += time.perf_counter() - began
             self._transfers.settle()
         while not self._transfers.copies_over(cap):
             oldest = device.oldest() if device.bytes > device.budget else None
@@ -845,6 +849,10 @@ class TierManager:
             self._land(oldest, TIERS.index("host"))  # raises, leaving it in place, if full
             device.remove(oldest, oldest.nbytes)
         return True
+
+    def _pack_wait_s(self) -> float:
+        """Seconds forward waited: for the write queue, and for copies off the device."""
+        return self._writes.pack_wait_s + self._copy_wait_s
 
     def _unlocked(self, wait: Callable[[], object]) -> None:
         """Run ``wait`` with the lock released (forward waiting on copies or writes)."""
