@@ -348,30 +348,59 @@ def test_without_a_budget_every_save_leaves_and_waits_past_the_bound(
         assert x.grad is not None and torch.equal(x.grad, expected.grad)
 
 
-def test_with_a_budget_forward_never_blocks_on_a_copy_in_flight(
+def test_under_a_budget_a_step_on_no_plan_waits_past_the_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """NOTE [ Copies in flight ]: with a budget, saves over the bound stay on the device."""
+    """NOTE [ Copies in flight ]: the safe placement keeps no save on the device."""
+    waited: list[torch.cuda.Event] = []
+    synchronize = torch.cuda.Event.synchronize
+
+    def counted(self: torch.cuda.Event) -> None:
+        waited.append(self)
+        synchronize(self)
+
+    with tierstore.TierStore(_host(write_queue_bytes="2MiB", activation_budget=0.5)) as store:
+        x = torch.randn(1 << 18, device=CUDA, requires_grad=True)
+        torch.cuda._sleep(_SLEEP_CYCLES // 4)  # the producer runs late: copies pile up
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.cuda.Event, "synchronize", counted)
+            with store.offload():  # the store's first step: the safe placement
+                loss = _sines(x)
+        tiers = store.stats().tiers
+        assert (tiers["device"].entries, tiers["host"].entries) == (0, 6)
+        assert waited and store.stats().pack_wait_s > 0
+        loss.backward()
+        expected = x.detach().clone().requires_grad_()
+        _sines(expected).backward()
+        assert x.grad is not None and torch.equal(x.grad, expected.grad)
+
+
+def test_in_a_planned_step_forward_never_blocks_on_a_copy_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [ Copies in flight ]: a planned step's saves over the bound stay on the device."""
 
     def forbidden(self: torch.cuda.Event) -> None:
         raise AssertionError("forward waited on a CUDA event")
 
-    chain = _sines
-    with tierstore.TierStore(_host(write_queue_bytes="2MiB", activation_budget=0.001)) as store:
-        x = torch.randn(1 << 18, device=CUDA, requires_grad=True)
-        torch.cuda._sleep(_SLEEP_CYCLES)  # the producer runs late: no copy lands in forward
+    with tierstore.TierStore(_host(write_queue_bytes="2MiB", activation_budget="1GiB")) as store:
+        manager = store._manager
+        assert manager.plans is not None
+        # A step on its plan, whose window is the store's own limit; the
+        # plan's offloads are put to the host tier, as the hooks put them.
+        monkeypatch.setattr(type(manager.plans), "planned", property(lambda self: True))
+        monkeypatch.setattr(manager.plans, "in_flight_bytes", lambda adding=0: None)
+        saved = [torch.randn(1 << 18, device=CUDA) for _ in range(6)]  # 1 MiB each
+        torch.cuda._sleep(_SLEEP_CYCLES)  # the producer runs late: no copy lands here
         with monkeypatch.context() as patch:
             patch.setattr(torch.cuda.Event, "synchronize", forbidden)
-            with store.offload():
-                loss = chain(x)
-            tiers = store.stats().tiers
+            handles = [manager.put(t, tier="host") for t in saved]
+        tiers = manager.stats().tiers
         # Two copies (2 MiB) under way; every later save stayed on the device.
         assert tiers["device"].entries >= 1
         assert tiers["device"].entries + tiers["host"].entries == 6
-        loss.backward()
-        expected = x.detach().clone().requires_grad_()
-        chain(expected).backward()
-        assert x.grad is not None and torch.equal(x.grad, expected.grad)
+        for handle, t in zip(handles, saved, strict=True):
+            assert torch.equal(manager.get(handle), t)
 
 
 def test_a_copy_back_is_allocated_on_the_consumers_stream_and_waits_for_the_allocation() -> None:
