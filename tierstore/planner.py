@@ -150,22 +150,21 @@ def replayed(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, in
         >>> replayed(p, ("keep", "rebuild", "keep", "keep"))
         (('a', 0, 2),)
     """
-    saves = profile.saves
+    # Slices and counts, not a loop per save: simulate() asks this of most plans it plays.
     out = tuple(
         (module, first, end)
-        for module, first, end in profile.spans
-        if choices[first] == "keep"
-        and all(choices[j] == "rebuild" for j in range(first + 1, end))
-        and all(m == module for j in range(first + 1, end) for m in saves[j].made_in)
+        for module, first, end in profile.replayable
+        if choices[first] == "keep" and choices[first + 1 : end].count("rebuild") == end - first - 1
     )
-    if not out:
-        return out
+    if not out or list(choices).count("rebuild") == sum(end - first - 1 for _, first, end in out):
+        return out  # no other rebuild records anywhere
     native = {j for _, first, end in out for j in range(first, end)}
+    records_in = profile.records_in
     recorded = {
         m
-        for i, (save, choice) in enumerate(zip(saves, choices, strict=True))
+        for i, choice in enumerate(choices)
         if choice == "rebuild" and i not in native
-        for m in (save.made_in or (save.module,))
+        for m in records_in[i]
     }
     return tuple(span for span in out if span[0] not in recorded)
 
@@ -297,6 +296,25 @@ class Profile:
     def saved_bytes(self) -> int:
         """Every byte the step saves: what a fraction of a budget is a fraction of."""
         return self.fixed_bytes + sum(s.nbytes for s in self.saves)
+
+    @cached_property
+    def replayable(self) -> tuple[tuple[str, int, int], ...]:
+        """The :attr:`spans` whose rebuilds replay only the module's own ops.
+
+        A module rebuilt whole from its first save replays natively unless a
+        rebuild of it replays ops another module ran (NOTE [ Replayed modules ]).
+        """
+        saves = self.saves
+        return tuple(
+            (module, first, end)
+            for module, first, end in self.spans
+            if all(m == module for j in range(first + 1, end) for m in saves[j].made_in)
+        )
+
+    @cached_property
+    def records_in(self) -> tuple[tuple[str, ...], ...]:
+        """Per save, the modules a rebuild of it op by op records in (NOTE [ Replayed modules ])."""
+        return tuple(save.made_in or (save.module,) for save in self.saves)
 
     @cached_property
     def unrebuildable(self) -> tuple[int, ...]:
