@@ -126,6 +126,16 @@ Choice = Literal["keep", "offload", "rebuild"]
 # rebuilds making up the rest (_checkpointed). On a GPU the recorder's Python
 # is what a step waits on: a plan that rebuilt a few saves in every block
 # ran at 1.4x the step it predicted.
+# A save no op can rebuild (a random op's, rebuild_s None: dropout's mask) is
+# rebuilt only natively, where checkpoint replays the RNG state. Op by op the
+# store cannot rebuild it and offloads it instead, outside the plan: bytes in
+# flight the plan did not count (on the small CPU model a planned step held
+# 20 to 28 MiB of dropout masks in its write queue above its predicted peak,
+# and the peak check then counted them as bytes that stay in every later
+# plan, which ruled out checkpointing every block). So simulate() prices
+# such a plan at an infinite step, and no move of the search makes one:
+# taking a checkpointed module's input or one of its rebuilds back leaves
+# its random saves with nothing that can rebuild them (_runnable).
 
 
 def replayed(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, int, int], ...]:
@@ -140,22 +150,21 @@ def replayed(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, in
         >>> replayed(p, ("keep", "rebuild", "keep", "keep"))
         (('a', 0, 2),)
     """
-    saves = profile.saves
+    # Slices and counts, not a loop per save: simulate() asks this of most plans it plays.
     out = tuple(
         (module, first, end)
-        for module, first, end in profile.spans
-        if choices[first] == "keep"
-        and all(choices[j] == "rebuild" for j in range(first + 1, end))
-        and all(m == module for j in range(first + 1, end) for m in saves[j].made_in)
+        for module, first, end in profile.replayable
+        if choices[first] == "keep" and choices[first + 1 : end].count("rebuild") == end - first - 1
     )
-    if not out:
-        return out
+    if not out or list(choices).count("rebuild") == sum(end - first - 1 for _, first, end in out):
+        return out  # no other rebuild records anywhere
     native = {j for _, first, end in out for j in range(first, end)}
+    records_in = profile.records_in
     recorded = {
         m
-        for i, (save, choice) in enumerate(zip(saves, choices, strict=True))
+        for i, choice in enumerate(choices)
         if choice == "rebuild" and i not in native
-        for m in (save.made_in or (save.module,))
+        for m in records_in[i]
     }
     return tuple(span for span in out if span[0] not in recorded)
 
@@ -172,6 +181,18 @@ def recorded_rebuilds(profile: Profile, choices: Sequence[Choice]) -> int:
     """
     native = sum(end - first - 1 for _, first, end in replayed(profile, choices))
     return sum(c == "rebuild" for c in choices) - native
+
+
+def _runnable(profile: Profile, choices: Sequence[Choice]) -> bool:
+    """Whether the store can carry ``choices`` out: no save no op can rebuild is rebuilt op by op.
+
+    NOTE [ Replayed modules ].
+    """
+    unrebuildable = profile.unrebuildable
+    if not any(choices[i] == "rebuild" for i in unrebuildable):
+        return True
+    native = {j for _, first, end in replayed(profile, choices) for j in range(first + 1, end)}
+    return all(choices[i] != "rebuild" or i in native for i in unrebuildable)
 
 
 def _natively_rebuilt(profile: Profile, choices: Sequence[Choice]) -> set[int]:
@@ -275,6 +296,33 @@ class Profile:
     def saved_bytes(self) -> int:
         """Every byte the step saves: what a fraction of a budget is a fraction of."""
         return self.fixed_bytes + sum(s.nbytes for s in self.saves)
+
+    @cached_property
+    def replayable(self) -> tuple[tuple[str, int, int], ...]:
+        """The :attr:`spans` whose rebuilds replay only the module's own ops.
+
+        A module rebuilt whole from its first save replays natively unless a
+        rebuild of it replays ops another module ran (NOTE [ Replayed modules ]).
+        """
+        saves = self.saves
+        return tuple(
+            (module, first, end)
+            for module, first, end in self.spans
+            if all(m == module for j in range(first + 1, end) for m in saves[j].made_in)
+        )
+
+    @cached_property
+    def records_in(self) -> tuple[tuple[str, ...], ...]:
+        """Per save, the modules a rebuild of it op by op records in (NOTE [ Replayed modules ])."""
+        return tuple(save.made_in or (save.module,) for save in self.saves)
+
+    @cached_property
+    def unrebuildable(self) -> tuple[int, ...]:
+        """The saves no op can rebuild (``rebuild_s`` ``None``): only a native replay makes them.
+
+        NOTE [ Replayed modules ].
+        """
+        return tuple(i for i, save in enumerate(self.saves) if save.rebuild_s is None)
 
     @cached_property
     def use_order(self) -> tuple[int, ...]:
@@ -541,6 +589,8 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
         + delay
         + moved * profile.moved_s_per_byte
     )
+    if not _runnable(profile, choices):  # NOTE [ Replayed modules ]
+        step = math.inf
     return Outcome(step, peak, tuple(exposed))
 
 
@@ -591,7 +641,7 @@ def _checkpointed(profile: Profile, budget: int, window: int) -> list[tuple[Choi
     The fewest first modules that fit alone, and one and two fewer, from
     which the greedy frees the rest with the link or op-by-op rebuilds. A
     random op's save is rebuilt too: checkpointing replays its RNG state
-    (op by op, it is never rebuilt; its compute counts as none).
+    (op by op it cannot be, and no move of the greedy leaves it so).
     """
     choices = list(_all(profile, "keep"))
     templates: list[tuple[Choice, ...]] = []
@@ -683,8 +733,8 @@ def _plan_for_window(
         trial = choices.copy()
         trial[i] = choice
         tried = simulate(profile, tuple(trial), window)
-        if tried.peak_bytes > outcome.peak_bytes:
-            return None
+        if tried.peak_bytes > outcome.peak_bytes or tried.step_s == math.inf:
+            return None  # a higher peak; or not runnable (NOTE [ Replayed modules ])
         # Ties (copies the link hides) go to what is dearest to rebuild, earliest first.
         return (max(tried.step_s - outcome.step_s, 0.0) / max(saves[i].nbytes, 1), -dearness(i))
 
@@ -879,6 +929,8 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
     best: tuple[list[Choice], Outcome, int] | None = None
     lowest: tuple[list[Choice], Outcome, int] | None = None
     for choices, outcome, window in tried:
+        if outcome.step_s == math.inf:
+            continue  # not runnable (NOTE [ Replayed modules ]); no move makes one
         if lowest is None or (outcome.peak_bytes, outcome.step_s) < (
             lowest[1].peak_bytes,
             lowest[1].step_s,
