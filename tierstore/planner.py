@@ -183,21 +183,24 @@ def recorded_rebuilds(profile: Profile, choices: Sequence[Choice]) -> int:
     return sum(c == "rebuild" for c in choices) - native
 
 
-def _runnable(profile: Profile, choices: Sequence[Choice]) -> bool:
+def _runnable(profile: Profile, choices: Sequence[Choice], native: set[int]) -> bool:
     """Whether the store can carry ``choices`` out: no save no op can rebuild is rebuilt op by op.
 
+    ``native``: the saves ``choices`` rebuilds natively (:func:`_natively_rebuilt`).
     NOTE [ Replayed modules ].
     """
-    unrebuildable = profile.unrebuildable
-    if not any(choices[i] == "rebuild" for i in unrebuildable):
-        return True
-    native = {j for _, first, end in replayed(profile, choices) for j in range(first + 1, end)}
-    return all(choices[i] != "rebuild" or i in native for i in unrebuildable)
+    return all(choices[i] != "rebuild" or i in native for i in profile.unrebuildable)
 
 
 def _natively_rebuilt(profile: Profile, choices: Sequence[Choice]) -> set[int]:
-    """The saves ``choices`` rebuilds natively; empty where op by op costs nothing more."""
-    if not profile.recorded_rebuild_s:
+    """The saves ``choices`` rebuilds natively.
+
+    Empty where that changes nothing: no op-by-op rebuild is priced and no
+    save only a native replay can make is rebuilt.
+    """
+    if not profile.recorded_rebuild_s and not any(
+        choices[i] == "rebuild" for i in profile.unrebuildable
+    ):
         return set()
     return {j for _, first, end in replayed(profile, choices) for j in range(first + 1, end)}
 
@@ -589,7 +592,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
         + delay
         + moved * profile.moved_s_per_byte
     )
-    if not _runnable(profile, choices):  # NOTE [ Replayed modules ]
+    if not _runnable(profile, choices, native):  # NOTE [ Replayed modules ]
         step = math.inf
     return Outcome(step, peak, tuple(exposed))
 
