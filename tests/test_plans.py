@@ -1340,6 +1340,39 @@ def test_a_plan_that_rebuilds_whole_blocks_checkpoints_them_natively(
     store.close()
 
 
+@pytest.mark.skipif(host._malloc_trim() is None, reason="not glibc: no malloc_trim")
+def test_a_plan_that_moves_nothing_never_hands_the_heap_back(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ Handing the heap back ]: a rebuilt save is freed where
+    # checkpointing frees it, and the step takes its pages again; with no
+    # floor between hand-backs, a moved byte would hand back at once. A
+    # step's first hand-back comes with its first moved save, and this plan
+    # moves none: it checkpoints two blocks and keeps the rest.
+    monkeypatch.setattr("tierstore.transfers.RELEASE_MIN_BYTES", 0)
+    store = tierstore.TierStore(
+        tierstore.TierConfig(activation_budget=0.6, min_offload_bytes=0, disk_path=spill_root)
+    )
+    assert store._runner is not None
+    store._runner.background = False
+    monkeypatch.setattr(plans, "make_plan", _checkpointing_blocks(("blocks.0", "blocks.2")))
+    model = _model()
+    eager = [_step(model, step) for step in range(6)]
+    for step in range(6):
+        if step == 3:  # planned from the third step
+            before, releases = store.stats(), store._manager._transfers.heap_releases
+        with store.offload():
+            grads = _step(model, step)
+        _same([grads], [eager[step]])
+    after = store.stats()
+    assert after.recomputed > before.recomputed
+    assert sum(t.bytes_written for t in after.tiers.values() if t is not after.tiers["device"]) == (
+        sum(t.bytes_written for t in before.tiers.values() if t is not before.tiers["device"])
+    )
+    assert store._manager._transfers.heap_releases == releases
+    store.close()
+
+
 def test_a_checkpointed_block_under_offload_module_nests_inside_the_blocks_hooks(
     spill_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
