@@ -554,8 +554,12 @@ class PlanRunner:
         background: bool = True,
         events: Callable[[], Callable[[], Any] | None] | None = None,
         device_links: tuple[LinkClock, LinkClock] | None = None,
+        cpu_step_began: Callable[[], None] | None = None,
     ) -> None:
         assert config.activation_budget is not None
+        # Called as a planned step on a CPU plan begins, before its first save
+        # is placed (NOTE [ Handing the heap back ] in tierstore/backends/host.py).
+        self._cpu_step_began = cpu_step_began
         self.background = background  # NOTE [ Planning off the training thread ]
         # () -> a factory of recorded device events when a device is in use (BusyTimer)
         self._events = events
@@ -727,6 +731,9 @@ class PlanRunner:
             step.device_read = self._device_links[1].snapshot()
         step.io_cpu = self._io_cpu() if callable(self._io_cpu) else 0.0
         self._step = step
+        began, plan = self._cpu_step_began, self.plan
+        if began is not None and not profiling and plan is not None and plan.profile.shared_link:
+            began()  # shared_link: a CPU's profile
         return step
 
     def _now_waits(self) -> float:

@@ -272,6 +272,7 @@ class TierManager:
                 self._pipeline.io_cpu_s,
                 events=cuda_events,  # NOTE [ Timing a profile ] in plans.py
                 device_links=links,
+                cpu_step_began=self._transfers.release_heap,
             )
         self._resident_peak = 0
         self._parent: int | None = None  # NOTE [ Forked children ] in tierstore/forks.py
@@ -428,12 +429,15 @@ class TierManager:
     def _step_started(self, *, cpu: bool) -> None:
         """The first new save after a backward: the in-flight limits learn from that step.
 
-        A planned step on a CPU starts on a heap whose free pages went back
-        to the system (NOTE [ Handing the heap back ] in tierstore/backends/host.py).
+        A step under activation_budget on a CPU starts on a heap whose free
+        pages went back to the system (NOTE [ Handing the heap back ] in
+        tierstore/backends/host.py): here, unless the step follows a plan,
+        whose runner handed them back as its first save came, kept or not.
         """
         self._reads.limit.step_started()
         self._writes.limit.step_started()
-        self._transfers.trim(heap=cpu and self.plans is not None)
+        plans = self.plans
+        self._transfers.trim(heap=cpu and plans is not None and not plans.planned)
 
     def _let_go(self, nbytes: int, device: torch.device) -> None:
         """Bytes of a save that left ``device``'s memory: counted by a planned CPU step.
