@@ -492,9 +492,9 @@ class _Block:
 # save that turns out not rebuildable.
 
 
-#: Begin a module's native replay in the step under way: (plan, first save, end) ->
-#: whether the step is at the module's saves (NOTE [ Replayed modules ]).
-BeginReplay = Callable[[Plan, int, int], bool]
+#: Begin a module's native replay in the step under way: (plan, first save, end, its
+#: first tensor input) -> whether the step is at the module's saves (NOTE [ Replayed modules ]).
+BeginReplay = Callable[[Plan, int, int, torch.Tensor | None], bool]
 
 
 class _Regions:
@@ -579,7 +579,8 @@ class _Regions:
             next(checkpointing)
         finally:
             _local.tier = outer
-        if not begin(plan, first, end):
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if not begin(plan, first, end, tensor):
             checkpointing.close()  # type: ignore[attr-defined]
             return
         self._replays().append((module, checkpointing))
@@ -998,7 +999,7 @@ class TierStore:
         _local.recompute = policy is not None
         return block
 
-    def _begin_replay(self, plan: Plan, first: int, end: int) -> bool:
+    def _begin_replay(self, plan: Plan, first: int, end: int, tensor: torch.Tensor | None) -> bool:
         """A module of ``plan`` checkpointed here, if the step is at its saves; they count rebuilt.
 
         NOTE [ Replayed modules ] in planner.py.
@@ -1006,8 +1007,9 @@ class TierStore:
         runner = self._runner
         if runner is None or not runner.replays(plan, first, end):
             return False
+        device = tensor.device if tensor is not None else None
         for save in plan.profile.saves[first + 1 : end]:
-            self._manager.count_recomputed(save.nbytes)
+            self._manager.count_recomputed(save.nbytes, device)
         return True
 
     def _stays(self, t: torch.Tensor) -> bool:
@@ -1260,7 +1262,7 @@ class TierStore:
         if tier is None:  # keep(tier="host" or "disk") asks for storage
             packed = recorder.recipe_for(t, nbytes)
             if packed is not None:
-                self._manager.count_recomputed(nbytes)
+                self._manager.count_recomputed(nbytes, t.device)
         if packed is None:
             packed = _unrecorded(self._manager.put, t, nbytes, tier)
             recorder.note_packed(t, packed, self._manager.get)
@@ -1276,7 +1278,7 @@ class TierStore:
         if choice == "rebuild":
             recipe = recorder.recipe_for(t, nbytes) if recorder is not None else None
             if recipe is not None:
-                self._manager.count_recomputed(nbytes)
+                self._manager.count_recomputed(nbytes, t.device)
                 assert recorder is not None
                 recorder.note_packed(t, recipe, None)
                 return recipe

@@ -597,11 +597,11 @@ class TierManager:
             out = codec.empty_strided(shape, stride, dtype, alloc)
             return self._reads.hold(out, out.untyped_storage().nbytes())
 
-    def count_recomputed(self, nbytes: int) -> None:
+    def count_recomputed(self, nbytes: int, device: torch.device | None = None) -> None:
         """Count a saved tensor the caller will rebuild in backward instead of storing.
 
-        Not as let go (NOTE [ Handing the heap back ] in
-        tierstore/backends/host.py): forward frees it where checkpointing would.
+        ``device``: the tensor's (a planned step counts a CPU tensor's bytes
+        as let go: NOTE [ Handing the heap back ] in tierstore/backends/host.py).
         """
         with self._locked():
             self._packed += 1
@@ -609,6 +609,8 @@ class TierManager:
             self._recomputed_bytes += nbytes
             with self._counts:
                 self.tally.add("recomputed", nbytes)
+            if device is not None:
+                self._let_go(nbytes, device)
 
     def pack_tally(self) -> PackTally:
         """A snapshot of the saves by where they went (NOTE [ Is it working? ])."""
