@@ -1252,6 +1252,36 @@ def test_the_first_plan_is_made_off_the_thread_while_steps_go_on(
     assert process.wait(10) is not None and workers[0]._process is None
 
 
+def test_a_runner_that_waits_for_plans_waits_for_the_planning_process(
+    budget_store: Callable[..., tierstore.TierStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # PlanRunner.wait_for_plans (NOTE [ Budget rows ] in
+    # tierstore/bench/train_strategies.py): the first plan is there for the
+    # third step, as with first_plan_at_once, but the search ran in the
+    # planning process: this process's make_plan is never called.
+    monkeypatch.setattr(PlanRunner, "first_plan_at_once", False)
+
+    def not_here(profile: Profile, budget: int) -> Plan:
+        raise AssertionError("a plan searched in the training process")
+
+    monkeypatch.setattr(plans, "make_plan", not_here)
+    store = budget_store(0.3)
+    runner = store._runner
+    assert runner is not None
+    runner.wait_for_plans = True
+    model = _model()
+    grads = []
+    for step in range(5):
+        with store.offload():
+            grads.append(_step(model, step))
+        if step == 2:
+            assert store.plan() is not None  # the third step had it
+    plan = store.plan()
+    assert plan is not None and plan.steps >= 1
+    assert runner._remaking is None  # no thread: the steps waited for the process
+    _same(grads, _run(None, 5))
+
+
 def test_the_planning_process_makes_the_plan_this_process_would() -> None:
     # NOTE [ Planning off the training thread ]: the same planner, in a
     # process of its own, through JSON both ways.

@@ -542,6 +542,10 @@ class PlanRunner:
     #: Make a shape's first plan where its profile ends, even one that needs a
     #: search (the steps wait for it): for tests that count steps to it.
     first_plan_at_once = False
+    #: Make every plan where it is asked for, in the planning process, and
+    #: wait for it: a benchmark's steps then follow each plan from the step
+    #: it counts on, and its process runs no search, as a user's does not.
+    wait_for_plans = False
 
     def __init__(
         self,
@@ -1080,8 +1084,11 @@ class PlanRunner:
         if expected is None:
             expected = self._expected
         at_once = not self.background or (verb == "made" and self.first_plan_at_once)
-        if at_once or fits_everything(profile, budget):
-            plan = make_plan(profile, budget)
+        if at_once or self.wait_for_plans or fits_everything(profile, budget):
+            if self.wait_for_plans and self.background:
+                plan = self._plan_in_process(profile, budget)
+            else:
+                plan = make_plan(profile, budget)
             self._use(expected, plan)
             return self._made(plan, verb)
         if self._remaking is not None and self._remaking.is_alive():
@@ -1089,17 +1096,27 @@ class PlanRunner:
 
         def make() -> None:
             try:
-                plan = self._process().plan(profile, budget)
+                plan = self._plan_in_process(profile, budget)
             except (OSError, RuntimeError, ValueError):
-                if self._closed:
-                    return
-                plan = make_plan(profile, budget)  # no process to be had: this thread
+                return  # closed meanwhile: the process with it
             if not self._closed:
                 self._remade = (expected, plan, self._made(plan, verb))
 
         self._remaking = threading.Thread(target=make, name="tierstore-plan", daemon=True)
         self._remaking.start()
         return None
+
+    def _plan_in_process(self, profile: Profile, budget: int) -> Plan:
+        """``make_plan`` in the planning process; in this thread where none can be had.
+
+        Raises what the process raised once the runner is closed.
+        """
+        try:
+            return self._process().plan(profile, budget)
+        except (OSError, RuntimeError, ValueError):
+            if self._closed:
+                raise
+            return make_plan(profile, budget)
 
     def _remake(self, profile: Profile, budget: int | None = None) -> str | None:
         """Make the plan again (NOTE [ Planning off the training thread ])."""

@@ -101,13 +101,19 @@ BUDGET = "budget="
 # keeps the plan: its table, its predicted step time and peak, and the
 # store's own measurement of the step. Every row runs the same steps, so a
 # budget row's first plan is made where its profile ends, as the steps
-# counted here expect, not in the planning process while steps go on (NOTE
-# [ Planning off the training thread ] in tierstore/plans.py): the bench
-# measures the planned steps, which that choice leaves as they are. For the
-# same reason a plan a check remakes (a step slower than predicted: its
-# moved bytes or op-by-op rebuilds cost more than priced) is remade where the
-# check runs, at a step boundary in the warm-up, and the measured steps run
-# on it, as a user's steps do once the planning process has made it.
+# counted here expect, not while steps go on (NOTE [ Planning off the
+# training thread ] in tierstore/plans.py): the step waits for the planning
+# process (PlanRunner.wait_for_plans), and the bench measures the planned
+# steps, which that choice leaves as they are. In the planning process, as a
+# user's plans are, so that the row's process runs the store a user runs,
+# with no search in it. (Searching here instead made no difference the
+# runs could show to the first planned step's peak RSS, often a budget
+# row's largest: three runs each on bench train's small model, within the
+# runs' spread.) For the same reason a plan a check remakes (a step slower
+# than predicted: its moved bytes or op-by-op rebuilds cost more than
+# priced) is remade where the check runs, at a step boundary in the warm-up,
+# and the measured steps run on it, as a user's steps do once the planning
+# process has made it.
 
 #: A tierstore strategy with this suffix runs with ``recompute="cheap"`` (``--recompute``).
 RECOMPUTE_SUFFIX = "+recompute"
@@ -314,8 +320,7 @@ def _make_strategy(
         runner = row.store._runner
         assert runner is not None
         # NOTE [ Budget rows ]: planned by the third step, remade where checked
-        runner.first_plan_at_once = True
-        runner.background = False
+        runner.wait_for_plans = True
         return row
     if name == "disk-naive":
         return _NaiveDisk(name, root)
