@@ -9,7 +9,7 @@ from tierstore.bench import overhead
 
 from .conftest import parse_bench
 
-ROWS = ["none", "identity", "kept", "budget=1.0", "budget=0.5"]
+ROWS = ["none", "identity", "floor", "kept", "budget=1.0", "budget=0.5"]
 
 
 def test_the_json_has_every_row_and_its_figures(tmp_path: Path) -> None:
@@ -28,7 +28,7 @@ def test_the_json_has_every_row_and_its_figures(tmp_path: Path) -> None:
     by = {r["name"]: r for r in rows}
     assert by["none"]["us_per_save"] == by["none"]["cpu_us_per_save"] == 0.0
     assert by["kept"]["verdict"] in ("meets", "misses")
-    assert by["identity"]["verdict"] == ""
+    assert by["identity"]["verdict"] == by["floor"]["verdict"] == ""
     # The stores' statistics add up: after its first step (NOTE [ Saves that
     # stay ] in store.py), every save of the kept row stayed where it was.
     kept = by["kept"]["stats"]
