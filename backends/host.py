@@ -141,18 +141,15 @@ class HostBlock:
 # no bound and does none of this. Where the C library has no malloc_trim
 # (musl, macOS, Windows) nothing happens.
 #
-# Faulting the pages back in is what a hand-back costs, so one within a
-# step happens only where it can pay: when the process's resident memory
-# (resident_bytes, one read of /proc/self/statm) has grown by more than
-# that same budget's worth since the last one. A step whose next
-# allocations take the pages it freed, as in a plan that checkpoints every
-# block, does not grow that much between two of them, and skips them.
-# Measured on bench train's small model (6 blocks, d_model 256) at
-# activation_budget=0.25 and 0.3, three runs each beside checkpointing's
-# row: its peak RSS 1.04-1.22x checkpointing's with the check, 0.97-1.16x
-# handing back at every budget's worth, 1.19-1.43x handing back only as
-# each step begins (step times alike within the runs' spread). Where the
-# resident set cannot be read, every budget's worth hands back.
+# Each hand-back costs the page faults of the pages used again. Two ways to
+# hand back less were measured on bench train and dropped, as each gave up
+# memory the budget had held: not counting rebuilt saves as let go (on the
+# small model, 6 blocks of d_model 256, a plan that checkpoints every block
+# then peaked at 1.19-1.43x checkpointing's RSS, against 0.97-1.16x), and
+# handing back within a step only once the process's resident set had
+# grown by a budget's worth (the small model 1.04-1.22x, but the default
+# model's budget=0.2 and 0.35 rows peaked 121 and 124 MiB higher). Neither
+# gave a step time the runs' spread could tell apart.
 
 #: The fewest bytes a planned step lets go of between two heap releases
 #: (NOTE [ Handing the heap back ]): glibc's largest heap allocation.
@@ -164,24 +161,6 @@ def _malloc_trim() -> Callable[[int], int] | None:
     try:
         return ctypes.CDLL(None).malloc_trim
     except (AttributeError, OSError, TypeError):  # no such symbol; no CDLL(None) (Windows)
-        return None
-
-
-def resident_bytes() -> int | None:
-    """The process's resident memory in bytes, or ``None`` where the system does not say.
-
-    One read of ``/proc/self/statm`` (NOTE [ Handing the heap back ]).
-
-    Example:
-        >>> from tierstore.backends.host import resident_bytes
-        >>> rss = resident_bytes()
-        >>> rss is None or rss > 0
-        True
-    """
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * mmap.PAGESIZE
-    except (OSError, IndexError, ValueError):
         return None
 
 

@@ -29,13 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from tierstore import codec
-from tierstore.backends.host import (
-    RELEASE_MIN_BYTES,
-    HostBlock,
-    HostPool,
-    release_free_heap,
-    resident_bytes,
-)
+from tierstore.backends.host import RELEASE_MIN_BYTES, HostBlock, HostPool, release_free_heap
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.entry import Entry
 from tierstore.errors import StoreClosedError, TierFullError
@@ -177,7 +171,6 @@ class Transfers:
         self.blocked: list[tuple[Any, Any]] | None = None
         self.heap_releases = 0
         self._let_go_bytes = 0  # since the heap was last handed back
-        self._resident_after_release: int | None = None  # the process's, then
         leave_to_parent(self)
 
     def _forked(self) -> None:
@@ -253,10 +246,8 @@ class Transfers:
     def let_go(self, nbytes: int, budget: int) -> None:
         """Count ``nbytes`` a planned CPU step let go of; past ``budget``'s worth, release the heap.
 
-        Only if the process's resident memory grew by as much since the last
-        release, and no more often than every
-        :data:`~tierstore.backends.host.RELEASE_MIN_BYTES` (NOTE [ Handing
-        the heap back ] in tierstore/backends/host.py).
+        No more often than every :data:`~tierstore.backends.host.RELEASE_MIN_BYTES`
+        (NOTE [ Handing the heap back ] in tierstore/backends/host.py).
 
         Example:
             >>> from tierstore import TierConfig
@@ -268,12 +259,7 @@ class Transfers:
             >>> transfers.close()
         """
         self._let_go_bytes += nbytes
-        least = max(budget, RELEASE_MIN_BYTES)
-        if self._let_go_bytes < least:
-            return
-        self._let_go_bytes = 0
-        before, now = self._resident_after_release, resident_bytes()
-        if before is None or now is None or now - before > least:
+        if self._let_go_bytes >= max(budget, RELEASE_MIN_BYTES):
             self.release_heap()
 
     def release_heap(self) -> None:
@@ -284,7 +270,6 @@ class Transfers:
         self._let_go_bytes = 0
         if release_free_heap():
             self.heap_releases += 1
-            self._resident_after_release = resident_bytes()
 
     # -- D2H ---------------------------------------------------------------------
 
