@@ -127,7 +127,8 @@ class HostBlock:
 # An activation budget bounds what the user's tools show, so a planned store
 # on a CPU hands the heap's free pages back (glibc's malloc_trim, which
 # gives back free chunks inside a heap too): at each step's first save
-# (whatever the plan does with it: PlanRunner's cpu_step_began), and
+# (whatever the plan does with it: PlanRunner's cpu_step_began; not under a
+# plan that keeps everything, which holds what no offload holds), and
 # whenever the step has let go of another budget's worth of bytes since the
 # last time (saves written out or to be rebuilt, in forward; saves read
 # back, in backward), but no more often than every RELEASE_MIN_BYTES, as

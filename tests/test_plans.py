@@ -1401,6 +1401,24 @@ def test_a_planned_step_that_begins_on_a_kept_save_hands_the_heap_back_as_it_beg
     store.close()
 
 
+def test_a_plan_that_keeps_everything_never_hands_the_heap_back(
+    budget_store: Callable[..., tierstore.TierStore],
+) -> None:
+    # NOTE [ Handing the heap back ]: such a plan holds what no offload
+    # holds, so there is nothing to bound, and a hand-back would only cost
+    # its step the page faults of the pages it uses again.
+    store = budget_store(1.0)
+    model = _model()
+    for step in range(6):
+        if step == 3:  # planned from the third step
+            releases = store._manager._transfers.heap_releases
+        with store.offload():
+            _step(model, step)
+    plan = store.plan()
+    assert plan is not None and set(plan.choices) == {"keep"}
+    assert store._manager._transfers.heap_releases == releases
+
+
 def test_a_checkpointed_block_under_offload_module_nests_inside_the_blocks_hooks(
     spill_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -561,8 +561,9 @@ class PlanRunner:
         cpu_step_began: Callable[[], None] | None = None,
     ) -> None:
         assert config.activation_budget is not None
-        # Called as a planned step on a CPU plan begins, before its first save
-        # is placed (NOTE [ Handing the heap back ] in tierstore/backends/host.py).
+        # Called as a planned step on a CPU plan that keeps not everything
+        # begins, before its first save is placed (NOTE [ Handing the heap
+        # back ] in tierstore/backends/host.py).
         self._cpu_step_began = cpu_step_began
         self.background = background  # NOTE [ Planning off the training thread ]
         # () -> a factory of recorded device events when a device is in use (BusyTimer)
@@ -735,9 +736,15 @@ class PlanRunner:
             step.device_read = self._device_links[1].snapshot()
         step.io_cpu = self._io_cpu() if callable(self._io_cpu) else 0.0
         self._step = step
-        began, plan = self._cpu_step_began, self.plan
-        if began is not None and not profiling and plan is not None and plan.profile.shared_link:
-            began()  # shared_link: a CPU's profile
+        plan = self.plan
+        if (
+            self._cpu_step_began is not None
+            and not profiling
+            and plan is not None
+            and plan.profile.shared_link  # a CPU's profile
+            and self._kept_before[-1][0] < len(plan.choices)  # a plan that keeps not everything
+        ):
+            self._cpu_step_began()
         return step
 
     def _now_waits(self) -> float:
