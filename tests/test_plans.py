@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import tierstore
-from tierstore import hooks, plans
+from tierstore import hooks, planner, plans
 from tierstore.backends import host
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.config import human_bytes
@@ -1306,6 +1306,24 @@ def test_the_planning_process_makes_the_plan_this_process_would() -> None:
     worker.close()  # idempotent
     with pytest.raises(RuntimeError, match="the planning process was closed"):
         worker.plan(profile, 0)
+
+
+@pytest.mark.parametrize("yields", [True, False])
+def test_a_search_yields_between_simulations_only_beside_the_training_thread(
+    monkeypatch: pytest.MonkeyPatch, yields: bool
+) -> None:
+    # NOTE [ Planning off the training thread ]: in the training process a
+    # search lets the training thread run between simulations; the planning
+    # process runs nothing else and turns that off (a yield gave its core
+    # away on a busy machine: the small model's first plan came at steps 9-23,
+    # and at steps 6-8 without).
+    calls: list[float] = []
+    monkeypatch.setattr(planner.time, "sleep", calls.append)
+    monkeypatch.setattr(planner, "YIELD_BETWEEN_SIMULATIONS", yields)
+    saves = tuple(Save(1 << 20, "aten.mm", f"m.{i}", 0.01 * i, 0.01 * (4 - i)) for i in range(4))
+    make_plan(Profile(saves, 0.04, 0.08, 0.0, 2e8, 3e8, 2 << 20), 2 << 20)
+    assert bool(calls) is yields
+    assert "planner.YIELD_BETWEEN_SIMULATIONS = False" in plans._WORKER
 
 
 def _checkpointing_blocks(blocks: tuple[str, ...]) -> Callable[[Profile, int], Plan]:

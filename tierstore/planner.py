@@ -425,6 +425,12 @@ class Plan:
 
 
 #: The last line of a plan's table: what its columns mean.
+#: Whether each simulation first lets other threads of the process run: where
+#: a search runs beside the training thread (NOTE [ Planning off the training
+#: thread ] in plans.py). The planning process, which runs nothing else, sets
+#: it to False: on a busy machine each yield also gave its core away.
+YIELD_BETWEEN_SIMULATIONS = True
+
 _TABLE_HELP = (
     "(kept / offloaded / rebuilt: the bytes each module saves, by the plan's choice; exposed: "
     "the step time the plan charges to them, link waits and rebuild compute; window: copies "
@@ -471,7 +477,8 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
         >>> out.step_s, out.peak_bytes
         (2.0, 100)
     """
-    time.sleep(0)  # let the training thread run: NOTE [ Planning off the training thread ]
+    if YIELD_BETWEEN_SIMULATIONS:
+        time.sleep(0)  # let the training thread run: NOTE [ Planning off the training thread ]
     saves = profile.saves
     exposed = [0.0] * len(saves)
     fixed = profile.fixed_bytes

@@ -140,8 +140,10 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # steps at 1.5-2.6 s beside a planning thread, 0.5-0.7 s beside the
 # process, 0.13 s planned. A thread of the store's waits on the process's
 # pipe, which holds no lock; where no process can be started, it plans
-# itself, giving the lock up between simulations (time.sleep(0)). A check
-# that finds the
+# itself, giving the lock up between simulations (time.sleep(0)). The process
+# does not: it runs nothing else, and on a busy machine each yield gave its
+# core to the training process (bench train's small model had its first
+# plan at steps 9-23 with the yields, 6-8 without). A check that finds the
 # prediction off re-plans only when the choices could change: a step slower
 # than predicted because the moved bytes cost more than the profile said
 # (moved_s_per_byte) reweighs offload against rebuild; a step faster or
@@ -429,7 +431,9 @@ import json, os, sys, types
 package = types.ModuleType("tierstore")
 package.__path__ = [sys.argv[1]]
 sys.modules["tierstore"] = package
+from tierstore import planner
 from tierstore.planner import Profile, Save, make_plan
+planner.YIELD_BETWEEN_SIMULATIONS = False  # nothing else runs here
 try:
     os.nice(10)
 except OSError:
