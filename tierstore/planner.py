@@ -424,13 +424,13 @@ class Plan:
         return "\n".join(lines)
 
 
-#: The last line of a plan's table: what its columns mean.
 #: Whether each simulation first lets other threads of the process run: where
 #: a search runs beside the training thread (NOTE [ Planning off the training
 #: thread ] in plans.py). The planning process, which runs nothing else, sets
 #: it to False: on a busy machine each yield also gave its core away.
 YIELD_BETWEEN_SIMULATIONS = True
 
+#: The last line of a plan's table: what its columns mean.
 _TABLE_HELP = (
     "(kept / offloaded / rebuilt: the bytes each module saves, by the plan's choice; exposed: "
     "the step time the plan charges to them, link waits and rebuild compute; window: copies "

@@ -1094,12 +1094,13 @@ class PlanRunner:
             budget = budget_bytes(self.budget, profile.saved_bytes)
         if expected is None:
             expected = self._expected
+        elsewhere = self.wait_for_plans and self.background  # the process, waited for
         at_once = not self.background or (verb == "made" and self.first_plan_at_once)
-        if at_once or self.wait_for_plans or fits_everything(profile, budget):
-            if self.wait_for_plans and self.background:
+        if elsewhere or at_once or fits_everything(profile, budget):
+            if elsewhere and not fits_everything(profile, budget):
                 plan = self._plan_in_process(profile, budget)
             else:
-                plan = make_plan(profile, budget)
+                plan = make_plan(profile, budget)  # no search, or one here
             self._use(expected, plan)
             return self._made(plan, verb)
         if self._remaking is not None and self._remaking.is_alive():
