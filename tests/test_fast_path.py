@@ -259,3 +259,253 @@ def test_a_plan_that_keeps_everything_holds_no_entry_and_measures_its_peak(
     assert plan.measured_peak_bytes >= plan.bytes_by_choice()["keep"]
     assert not store._runner.rebuilds  # type: ignore[union-attr]
     store.close()
+
+
+# -- modules the plan keeps whole (NOTE [ Modules kept whole ] in hooks.py) ------------
+
+
+class _Block(torch.nn.Module):
+    """Seven saves a call: two inputs, two weights, tanh's and exp's outputs, a dropout mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(32, 32)
+        self.b = torch.nn.Linear(32, 32)
+        self.drop = torch.nn.Dropout(0.1)  # its mask: a random op's save, kept as eager keeps it
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise ValueError("boom")
+        return x + self.drop(self.b(torch.tanh(self.a(x)))).exp()
+
+
+def _blocks(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), _Block(), _Block(), _Block())
+
+
+def _block_batch(step: int) -> torch.Tensor:
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+
+
+def _block_grads(
+    model: torch.nn.Module, store: tierstore.TierStore | None, steps: int, first: int = 0
+) -> list[Any]:
+    out = []
+    for step in range(first, first + steps):
+        torch.manual_seed(100 + step)  # the dropout masks, alike with and without the store
+        if store is None:
+            loss = model(_block_batch(step)).square().mean()
+        else:
+            with store.offload():
+                loss = model(_block_batch(step)).square().mean()
+        loss.backward()
+        out.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def _budget_store(spill_root: Path, budget: float = 1.0) -> tierstore.TierStore:
+    return tierstore.TierStore(
+        tierstore.TierConfig(activation_budget=budget, min_offload_bytes=0, disk_path=spill_root)
+    )
+
+
+def _top_inside(module: torch.nn.Module) -> list[Any]:
+    """The pack hook on top of the stack as ``module``'s forward runs, call by call."""
+    seen: list[Any] = []
+
+    def look(m: torch.nn.Module, args: Any) -> None:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        seen.append(None if top is None else top[0])
+
+    module.register_forward_pre_hook(look)
+    return seen
+
+
+def _saves_per_step(model: torch.nn.Module) -> int:
+    n = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        n[0] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(_block_batch(0)).square().mean()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return n[0]
+
+
+needs_stack = pytest.mark.skipif(
+    tierstore.hooks._TOP_HOOKS is None, reason="this torch cannot read the hook stack"
+)
+
+
+@needs_stack
+def test_a_module_the_plan_keeps_whole_runs_without_hooks_and_counts_alike(
+    spill_root: Path,
+) -> None:
+    store = _budget_store(spill_root)
+    model = _blocks()
+    inside, outside = _top_inside(model[2].a), _top_inside(model[0])
+    _same(_block_grads(model, store, 8), _block_grads(_blocks(), None, 8))
+    plan = store.plan()
+    assert plan is not None and set(plan.choices) == {"keep"}
+    assert [m for m, _, _ in tierstore.planner.kept_whole(plan.profile, plan.choices)] == [
+        "Sequential.1", "Sequential.2", "Sequential.3"
+    ]  # fmt: skip
+    # No hook inside a block once planned; the store's hooks around the first Linear.
+    assert inside[:2] == [store._pack] * 2 and inside[-3:] == [None] * 3
+    assert outside[-1] == store._pack
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+    # stats() adds up as with the hooks: every save counted kept, once per step.
+    with store.offload():
+        pass  # ends the last step: its plan-kept saves are counted
+    before = store.stats()
+    _same(_block_grads(model, store, 3, first=8), _block_grads(_blocks(), None, 11)[8:])
+    with store.offload():
+        pass
+    after = store.stats()
+    saves = _saves_per_step(_blocks())
+    # The first Linear's input (not its weight: x wants no gradient); each
+    # block's seven (two inputs, two weights, tanh's and exp's outputs,
+    # dropout's mask); square's input.
+    assert saves == 1 + 3 * 7 + 1
+    assert after.packed - before.packed == 3 * saves
+    assert after.kept - before.kept == 3 * saves
+    assert after.tiers["host"].bytes_written == before.tiers["host"].bytes_written
+    assert plan.measured_peak_bytes is not None
+    assert plan.measured_peak_bytes >= plan.bytes_by_choice()["keep"]
+    assert not store._manager.holds_entries()
+    store.close()
+
+
+@needs_stack
+def test_an_inplace_change_inside_a_module_kept_whole_raises_as_eager_does(
+    spill_root: Path,
+) -> None:
+    store = _budget_store(spill_root)
+    model = _blocks()
+    _block_grads(model, store, 8)
+    inside = _top_inside(model[3].a)
+    with store.offload():
+        y = model(_block_batch(9))  # the last block's exp saved its output, y less the residual
+    assert inside[-1] is None  # planned, without hooks
+    with torch.no_grad():
+        y.mul_(2)  # the residual's add made y: exp's output is another tensor
+        model[3].b.weight.add_(1)  # saved by the block's second Linear
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    store.close()
+
+
+@needs_stack
+def test_retain_graph_and_double_backward_through_modules_kept_whole(spill_root: Path) -> None:
+    store = _budget_store(spill_root)
+    model, eager = _blocks(), _blocks()
+    _block_grads(model, store, 8)
+    inside = _top_inside(model[1].b)
+    x = _block_batch(3).requires_grad_()
+    torch.manual_seed(7)
+    with store.offload():
+        loss = model(x).square().mean()
+    assert inside[-1] is None
+    loss.backward(retain_graph=True)
+    loss.backward()
+    torch.manual_seed(7)
+    ref = eager(x).square().mean()
+    ref.backward(retain_graph=True)
+    ref.backward()
+    _same([[p.grad for p in model.parameters()]], [[p.grad for p in eager.parameters()]])
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(8)
+    with store.offload():
+        (g,) = torch.autograd.grad(model(x).square().mean(), x, create_graph=True)
+    torch.manual_seed(8)
+    (g_eager,) = torch.autograd.grad(eager(x).square().mean(), x, create_graph=True)
+    assert torch.equal(g, g_eager)
+    store.close()
+
+
+@needs_stack
+def test_a_module_where_keep_stored_a_save_keeps_its_hooks(spill_root: Path) -> None:
+    store = _budget_store(spill_root)
+    model = _blocks()
+    handle = tierstore.keep_module(model[2], "host")
+    inside_kept, inside_stored = _top_inside(model[1].a), _top_inside(model[2].a)
+    _same(_block_grads(model, store, 8), _block_grads(_blocks(), None, 8))
+    plan = store.plan()
+    assert plan is not None and plan.profile.stored_in == ("Sequential.2",)
+
+    def moved() -> int:  # the host tier holds nothing under a fraction: its saves go on down
+        return sum(t.bytes_written for name, t in store.stats().tiers.items() if name != "device")
+
+    written = moved()
+    _block_grads(model, store, 1, first=8)
+    assert moved() > written  # keep_module's tier, as asked
+    assert inside_kept[-1] is None and inside_stored[-1] == store._pack
+    handle.remove()
+    store.close()
+
+
+@needs_stack
+def test_a_module_kept_whole_that_raises_puts_the_hooks_back(spill_root: Path) -> None:
+    store = _budget_store(spill_root)
+    model = _blocks()
+    _block_grads(model, store, 8)
+    model[2].fail = True
+    with pytest.raises(ValueError, match="boom"), store.offload():
+        model(_block_batch(8))
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    model[2].fail = False
+    inside = _top_inside(model[1].a)
+    _same(_block_grads(model, store, 4, first=9), _block_grads(_blocks(), None, 13)[9:])
+    assert inside[-1] is None  # planned again
+    store.close()
+
+
+@needs_stack
+def test_a_module_called_twice_a_step_stays_on_its_plan(spill_root: Path) -> None:
+    class Twice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = _blocks()[:3]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inner[0](x)
+            for _ in range(2):
+                h = self.inner[1](h)  # one block, twice
+            return self.inner[2](h)
+
+    store = _budget_store(spill_root)
+    model = Twice()
+    inside = _top_inside(model.inner[1].a)
+    for _ in range(2):
+        _block_grads(model, store, 8)
+    plan = store.plan()
+    assert plan is not None
+    spans = tierstore.planner.kept_whole(plan.profile, plan.choices)
+    # Five saves of a call go by the plan (not the weights): the block's span holds both calls.
+    assert [(m, end - first) for m, first, end in spans] == [
+        ("Twice.inner.1", 10), ("Twice.inner.2", 5)
+    ]  # fmt: skip
+    assert inside[-2:] == [None, None]  # both calls, without hooks
+    runner = store._runner
+    assert runner is not None and runner._step is not None
+    assert runner._step.deviated_at is None and not runner._step.profiling
+    store.close()
+
+
+def test_without_a_readable_hook_stack_every_save_takes_the_hooks(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tierstore.hooks, "_TOP_HOOKS", None)
+    store = _budget_store(spill_root)
+    model = _blocks()
+    inside = _top_inside(model[2].a)
+    _same(_block_grads(model, store, 8), _block_grads(_blocks(), None, 8))
+    assert store.plan() is not None and inside[-1] == store._pack
+    store.close()

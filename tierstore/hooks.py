@@ -40,7 +40,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from tierstore.config import TierConfig, load_config
 from tierstore.errors import ConfigError, TierstoreWarning, modified_in_place
 from tierstore.handle import Handle
-from tierstore.planner import Choice, Plan, replayed
+from tierstore.planner import Choice, Plan, kept_whole, replayed
 from tierstore.recompute import (
     Policy,
     Recipe,
@@ -495,6 +495,49 @@ class _Block:
 #: Begin a module's native replay in the step under way: (plan, first save, end, its
 #: first tensor input) -> whether the step is at the module's saves (NOTE [ Replayed modules ]).
 BeginReplay = Callable[[Plan, int, int, torch.Tensor | None], bool]
+#: Go past a module the plan keeps whole: (plan, first save, end, its saves outside the
+#: plan as (why, count, bytes)) -> whether the step is at the module's saves, counted
+#: kept if so (NOTE [ Modules kept whole ]).
+BeginKept = Callable[[Plan, int, int, tuple[tuple[str, int, int], ...]], bool]
+#: Backward reached a module kept whole: the bytes it kept (NOTE [ Modules kept whole ]).
+KeptUsed = Callable[[int], None]
+
+# NOTE [ Modules kept whole ]
+# A save the plan keeps costs a trip through the pack hook and the unpack
+# hook: Python, some microseconds each, which on a GPU is a step's time (the
+# issue's H200 step ran 8% slower at a budget of 1.0, where every save
+# stays). Where a plan keeps every save of a module (kept_whole() in
+# planner.py: the profile's spans, a transformer block), its saves need no
+# hook at all: autograd holds them as it does without tierstore. So a
+# forward pre-hook on that module takes the store's hooks off this thread's
+# stack of saved-tensor hooks, and a forward hook puts them back (first
+# among the module's forward hooks, and also when forward raised): inside,
+# no Python runs per save or per use. The version check, retain_graph,
+# double backward and threads (the stack is per thread) are autograd's own.
+# What the hooks would have done is done once per module instead:
+#   * the step goes past the module's saves at once (PlanRunner.passes),
+#     the way a native replay does, so the plan's kept saves are counted by
+#     where the step is, as ever (NOTE [ Saves that stay ] in store.py);
+#   * the saves outside the plan (parameters, small ones), which the
+#     profiled step wrote down per module (Profile.stays_in), are counted
+#     as they were then, so stats() adds up as with the hooks;
+#   * backward reaching the module (a pre-hook on its output's node) counts
+#     its bytes used (the plan's peak) and a backward run (NOTE [ Step log ]).
+#     Registering one costs a module some 8 us, and more in backward; a plan
+#     that moves nothing reads nothing back, so its peak is all it kept, and
+#     there only the first module kept whole is watched, to see a backward run.
+# Only where nothing else needs the hooks: the store's hooks on top of the
+# stack (not an inner offload(), checkpoint or a user's hooks), no keep()
+# region open (its tier is the hook's to carry out, and a module where the
+# profile saw keep() store a save is never kept whole), no recorder noting
+# saves for op-by-op rebuilds, no tracing, and a torch that can read the
+# stack (torch.autograd's _top_saved_tensors_default_hooks, 2.8 and later).
+# A module whose saves come out otherwise than profiled (a data-dependent
+# branch inside it) is not seen doing so: all its saves stay on the device
+# as autograd holds them, so gradients are exact; only the counts and the
+# peak are the profile's.
+
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 class _Regions:
@@ -504,28 +547,39 @@ class _Regions:
     modules ] in planner.py).
     """
 
-    def __init__(self, policy: Policy, stays: Callable[[torch.Tensor], bool]) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        stays: Callable[[torch.Tensor], bool],
+        pack: Callable[[torch.Tensor], Any],
+    ) -> None:
         self._policy = policy
         self._stays = stays
+        self._pack = pack  # the store's pack hook: whether its hooks top the stack
         self.plan: Plan | None = None
         self._handles: list[Any] = []
         self._pushed = threading.local()
         self.whole = False  # the plan rebuilds where no hook can reach: record everything
         self.records = True  # some rebuild is replayed op by op: the recorder runs
+        self.keeps = False  # some module is kept whole (NOTE [ Modules kept whole ])
         self._begin: BeginReplay | None = None
+        self._begin_kept: BeginKept | None = None
+        self._kept_used: KeptUsed | None = None
 
     def follow(
         self,
         plan: Plan,
         modules: dict[str, weakref.ref[torch.nn.Module]],
         begin: BeginReplay,
+        begin_kept: BeginKept,
+        kept_used: KeptUsed,
     ) -> None:
-        """Hook the modules ``plan`` rebuilds in (once per plan)."""
+        """Hook the modules ``plan`` rebuilds in and keeps whole (once per plan)."""
         if plan is self.plan:
             return
         self.remove()
         self.plan = plan
-        self._begin = begin
+        self._begin, self._begin_kept, self._kept_used = begin, begin_kept, kept_used
         spans = []
         for name, first, end in replayed(plan.profile, plan.choices) if _can_replay() else ():
             module = modules[name]() if name in modules else None
@@ -541,8 +595,33 @@ class _Regions:
         found = [modules[n]() if n in modules else None for n in sorted(names)]
         self.whole = any(m is None for m in found)
         self.records = bool(names)
+        self.keeps = False
         if self.whole:
             return
+        if not self.records and _TOP_HOOKS is not None:  # NOTE [ Modules kept whole ]
+            profile = plan.profile
+            # A plan that moves nothing reads nothing back in backward: the
+            # peak is all it kept, and one module's backward says a backward ran.
+            moves = plan.choices.count("keep") < len(plan.choices)
+            watched = False
+            for name, first, end in kept_whole(profile, plan.choices):
+                module = modules[name]() if name in modules else None
+                if module is None or getattr(module, "_compiled_call_impl", None) is not None:
+                    continue
+                nbytes: int | None = None
+                if moves or not watched:
+                    nbytes = sum(s.nbytes for s in profile.saves[first:end]) if moves else 0
+                    watched = True
+                stays = tuple((why, n, b) for m, why, n, b in profile.stays_in if m == name)
+                self._handles += [
+                    module.register_forward_pre_hook(
+                        functools.partial(self._keep, first, end, stays)
+                    ),
+                    module.register_forward_hook(
+                        functools.partial(self._kept, nbytes), always_call=True, prepend=True
+                    ),
+                ]
+                self.keeps = True
         for module, first, end in spans:
             self._handles += [
                 module.register_forward_pre_hook(
@@ -590,6 +669,64 @@ class _Regions:
         replays = self._replays()
         if replays and replays[-1][0] is module:
             next(replays.pop()[1], None)
+
+    @_never_traced
+    def _keep(
+        self,
+        first: int,
+        end: int,
+        stays: tuple[tuple[str, int, int], ...],
+        module: torch.nn.Module,
+        args: Any,
+    ) -> None:
+        """A module kept whole begins: the store's hooks off (NOTE [ Modules kept whole ])."""
+        if (
+            _local.regions is not self
+            or _local.tier is not None
+            or _local.replaying
+            or _local.recorder is not None
+            or _tracing()
+        ):
+            return  # or not this store's planned block, or keep() or a recorder wants the hooks
+        top = _TOP_HOOKS(False)  # type: ignore[misc]
+        plan, begin = self.plan, self._begin_kept
+        if top is None or top[0] != self._pack or plan is None or begin is None:
+            return  # another's hooks on top: theirs to run
+        if not begin(plan, first, end, stays):
+            return
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        self._kept_stack().append((module, top))
+
+    @_never_traced
+    def _kept(self, nbytes: int | None, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """A module kept whole ended: the store's hooks back, and its backward watched for.
+
+        ``nbytes``: what backward reaching it counts used; ``None``: not watched.
+        """
+        stack = self._kept_stack()
+        if not stack or stack[-1][0] is not module:
+            return  # _keep took nothing off for this call
+        torch._C._autograd._push_saved_tensors_default_hooks(*stack.pop()[1])
+        used = self._kept_used
+        if nbytes is None or used is None:
+            return
+        node = _node_of(output)
+        if node is not None:
+            node.register_prehook(functools.partial(_reached, used, [nbytes]))
+
+    def restore(self) -> None:
+        """Put back this thread's hooks a module kept whole took off (a block closing inside it)."""
+        stack = self._kept_stack()
+        while stack:
+            torch._C._autograd._push_saved_tensors_default_hooks(*stack.pop()[1])
+
+    def _kept_stack(self) -> list[tuple[torch.nn.Module, tuple[Any, Any]]]:
+        stack: list[tuple[torch.nn.Module, tuple[Any, Any]]] | None = getattr(
+            self._pushed, "kept", None
+        )
+        if stack is None:
+            stack = self._pushed.kept = []
+        return stack
 
     def _replays(self) -> list[tuple[torch.nn.Module, Iterator[None]]]:
         replays: list[tuple[torch.nn.Module, Iterator[None]]] | None = getattr(
@@ -655,6 +792,26 @@ class _Regions:
         if pushed is not None:
             _local.recorder = None
             pushed.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+
+def _node_of(output: Any) -> Any:
+    """The autograd node of a module's output: its first tensor that has one, if any."""
+    if isinstance(output, torch.Tensor):
+        return output.grad_fn
+    items = output.values() if isinstance(output, dict) else output
+    if isinstance(items, (tuple, list)) or isinstance(output, dict):
+        for item in items:
+            if isinstance(item, torch.Tensor) and item.grad_fn is not None:
+                return item.grad_fn
+    return None
+
+
+@_never_traced
+def _reached(used: KeptUsed, nbytes: list[int], grad_outputs: Any) -> None:
+    """Backward reached a module kept whole: its bytes used, once (NOTE [ Modules kept whole ])."""
+    if nbytes[0] >= 0:
+        used(nbytes[0])
+        nbytes[0] = -1
 
 
 def _can_replay() -> bool:
@@ -842,10 +999,13 @@ def _module_name() -> tuple[str, bool]:
 # unpacks saved tensors itself and must get today's handles.
 
 
+_PROXY, _FAKE = torch._C._TorchDispatchModeKey.PROXY, torch._C._TorchDispatchModeKey.FAKE
+
+
 def _tracing() -> bool:
     """Whether make_fx or a FakeTensorMode is tracing (NOTE [ Recompute in blocks ])."""
-    keys = torch._C._TorchDispatchModeKey
-    return any(torch._C._get_dispatch_mode(k) is not None for k in (keys.PROXY, keys.FAKE))
+    mode = torch._C._get_dispatch_mode
+    return mode(_PROXY) is not None or mode(_FAKE) is not None
 
 
 def _recorder() -> Recorder | None:
@@ -906,7 +1066,7 @@ class TierStore:
         self._logged: Stats | None = None
         # NOTE [ Recording where a plan rebuilds ]: the profiled step's modules by name.
         self._modules: dict[str, weakref.ref[torch.nn.Module]] = {}
-        self._regions = _Regions(everything, self._stays)
+        self._regions = _Regions(everything, self._stays, self._pack)
 
     @contextlib.contextmanager
     def offload(self, recompute: RecomputeSetting | None = None) -> Iterator[TierStore]:
@@ -973,11 +1133,13 @@ class TierStore:
             policy = everything if timed or runner.rebuilds else None
             depth = MAX_PLANNED_DEPTH
             plan = runner.plan
-            if not timed and plan is not None and policy is not None:
-                # NOTE [ Recording where a plan rebuilds ]
+            if not timed and plan is not None:
+                # NOTE [ Recording where a plan rebuilds ], NOTE [ Modules kept whole ]
                 regions = self._regions
-                regions.follow(plan, self._modules, self._begin_replay)
-                if not regions.whole:
+                regions.follow(
+                    plan, self._modules, self._begin_replay, self._begin_kept, self._kept_used
+                )
+                if not regions.whole and (policy is not None or regions.keeps):
                     policy = None
                     block.outer_regions = (_local.regions, _local.region_recorder)
                     _local.regions = regions
@@ -1005,12 +1167,36 @@ class TierStore:
         NOTE [ Replayed modules ] in planner.py.
         """
         runner = self._runner
-        if runner is None or not runner.replays(plan, first, end):
-            return False
+        passes = "no" if runner is None else runner.passes(plan, first, end)
+        if passes != "past":
+            return passes == "again"
         device = tensor.device if tensor is not None else None
         for save in plan.profile.saves[first + 1 : end]:
             self._manager.count_recomputed(save.nbytes, device)
         return True
+
+    def _begin_kept(
+        self, plan: Plan, first: int, end: int, stays: tuple[tuple[str, int, int], ...]
+    ) -> bool:
+        """Go past a module ``plan`` keeps whole, if the step is at its saves; count them.
+
+        NOTE [ Modules kept whole ]: the plan's by where the step is, ``stays``
+        (the saves outside the plan) as the profile saw them.
+        """
+        runner = self._runner
+        passes = "no" if runner is None else runner.passes(plan, first, end)
+        if passes != "past":
+            return passes == "again"
+        for why, n, nbytes in stays:
+            self._manager.count_kept(nbytes, why, n)  # type: ignore[arg-type]
+        return True
+
+    def _kept_used(self, nbytes: int) -> None:
+        """Backward reached a module kept whole (NOTE [ Modules kept whole ])."""
+        self._unpacks += 1  # NOTE [ Step log ]: a backward ran
+        runner = self._runner
+        if runner is not None and runner.used(-1, nbytes):
+            self._manager.backward_began()
 
     def _stays(self, t: torch.Tensor) -> bool:
         """Whether ``t`` stays on the device if saved: a recipe may hold it as it is."""
@@ -1020,6 +1206,7 @@ class TierStore:
         """Pop the hooks; warn if nothing left the device (NOTE [ Is it working? ])."""
         try:
             if block.outer_regions is not None:
+                self._regions.restore()  # NOTE [ Modules kept whole ]
                 _local.regions, _local.region_recorder = block.outer_regions
             if block.names is not None:
                 _local.names = None
@@ -1239,6 +1426,9 @@ class TierStore:
                 return _kept(t, t.numel() * t.element_size())
             nbytes = "keep" if tier == "device" else _offload_nbytes(t, self._min_bytes)
             if type(nbytes) is int:
+                runner = self._runner
+                if runner is not None and runner.profiling:  # NOTE [ Modules kept whole ]
+                    runner.beside(_module_name()[0], "stored", nbytes)
                 return self._pack_stored(t, nbytes, tier)
         if nbytes == "layout" and isinstance(t, _placeholders()):
             # make_fx, FakeTensorMode: no data, and a size that may be
@@ -1247,8 +1437,12 @@ class TierStore:
             return _Kept(t, t._version)
         size = t.numel() * t.element_size()
         self._manager.count_kept(size, nbytes)  # type: ignore[arg-type]
-        if self._runner is not None and nbytes in ("keep", "min_offload_bytes"):
-            self._runner.kept_fixed(size)  # activations it keeps
+        runner = self._runner
+        if runner is not None:
+            if nbytes in ("keep", "min_offload_bytes"):
+                runner.kept_fixed(size)  # activations it keeps
+            if runner.profiling:  # NOTE [ Modules kept whole ]
+                runner.beside(_module_name()[0], nbytes, size)  # type: ignore[arg-type]
         return _kept(t)
 
     def _pack_stored(self, t: torch.Tensor, nbytes: int, tier: Tier | None) -> Handle | Recipe:

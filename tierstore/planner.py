@@ -36,6 +36,7 @@ __all__ = [
     "Plan",
     "Profile",
     "Save",
+    "kept_whole",
     "make_plan",
     "recorded_rebuilds",
     "replayed",
@@ -169,6 +170,27 @@ def replayed(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, in
     return tuple(span for span in out if span[0] not in recorded)
 
 
+def kept_whole(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, int, int], ...]:
+    """The modules ``choices`` keeps every save of, each with its saves ``[first, end)``.
+
+    NOTE [ Modules kept whole ] in hooks.py: their saves need no hook. Not a
+    module where keep() stored a save: the hook carries that out.
+
+    Example:
+        >>> from tierstore.planner import Profile, Save, kept_whole
+        >>> saves = tuple(Save(10, "aten.mm", m, 0.0, 0.0, 0.1) for m in "aabb")
+        >>> p = Profile(saves, 1.0, 1.0, 0.0, 1e9, 1e9, 10)
+        >>> kept_whole(p, ("keep", "keep", "keep", "offload"))
+        (('a', 0, 2),)
+    """
+    stored = set(profile.stored_in)
+    return tuple(
+        (module, first, end)
+        for module, first, end in profile.spans
+        if module not in stored and choices[first:end].count("keep") == end - first
+    )
+
+
 def recorded_rebuilds(profile: Profile, choices: Sequence[Choice]) -> int:
     """How many saves ``choices`` rebuilds op by op (NOTE [ Replayed modules ]).
 
@@ -256,6 +278,10 @@ class Profile:
             rather than a copy engine each way (PCIe).
         recorded_rebuild_s: what each rebuild replayed op by op costs on top
             of its compute (NOTE [ Replayed modules ]).
+        stays_in: the saves outside the plan (parameters, small ones, kept
+            ones) per module: ``(module, why, count, bytes)``; and
+        stored_in: the modules where keep() stored a save. The hooks layer's
+            (NOTE [ Modules kept whole ]); the planner reads neither.
     """
 
     saves: tuple[Save, ...]
@@ -269,6 +295,8 @@ class Profile:
     fixed_bytes: int = 0
     shared_link: bool = False
     recorded_rebuild_s: float = 0.0
+    stays_in: tuple[tuple[str, str, int, int], ...] = ()
+    stored_in: tuple[str, ...] = ()
 
     @cached_property
     def spans(self) -> tuple[tuple[str, int, int], ...]:

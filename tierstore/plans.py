@@ -419,6 +419,11 @@ class _Step:
     compiled_in: set[str] = field(default_factory=set)  # the modules of those saves
     waiting: bool = False  # the safe placement while the first plan is made off the thread
     largest: int = 0  # the largest save so far
+    passed: set[int] = field(default_factory=set)  # the first saves of the modules gone past
+    # A profiled step's saves outside the plan, per (module, why): [count, bytes];
+    # and the modules where keep() stored one (NOTE [ Modules kept whole ] in hooks.py).
+    stays_in: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    stored_in: set[str] = field(default_factory=set)
 
 
 #: What the planning process runs: the planner module alone, without the
@@ -456,6 +461,10 @@ for line in sys.stdin:
 """
 
 
+#: Profile fields the planning process is not sent (the planner reads neither).
+_HOOKS_ONLY = ("stays_in", "stored_in")
+
+
 class PlanningProcess:
     """A process of its own that makes plans (NOTE [ Planning off the training thread ]).
 
@@ -491,7 +500,10 @@ class PlanningProcess:
                     close_fds=True,
                 )
             assert process.stdin is not None and process.stdout is not None
-            request = {"profile": dataclasses.asdict(profile), "budget": budget}
+            fields = dataclasses.asdict(profile)
+            for name in _HOOKS_ONLY:  # the hooks layer's, not the planner's
+                del fields[name]
+            request = {"profile": fields, "budget": budget}
             process.stdin.write(json.dumps(request).encode() + b"\n")
             process.stdin.flush()
             line = process.stdout.readline()
@@ -821,27 +833,49 @@ class PlanRunner:
         while len(self._plans) > PLANS_KEPT:
             self._checks.pop(self._plans.popitem(last=False)[0], None)
 
-    def replays(self, plan: Plan, first: int, end: int) -> bool:
-        """Whether a module whose saves are ``plan``'s ``[first, end)`` replays natively here.
+    def passes(self, plan: Plan, first: int, end: int) -> Literal["no", "past", "again"]:
+        """Whether the step goes past a module whose saves are ``plan``'s ``[first, end)``.
 
-        NOTE [ Replayed modules ] in planner.py: only a planned step on
-        ``plan``, at the module's first save, checkpoints it; its saves then
-        never reach the pack hook (checkpoint's own hooks take them; the
-        first, its input, it keeps), and the step goes on past them.
+        Its saves then never reach the pack hook: a module checkpointed
+        natively (NOTE [ Replayed modules ] in planner.py; checkpoint's own
+        hooks take them, the first, its input, kept), or one the plan keeps
+        whole (NOTE [ Modules kept whole ] in hooks.py). Only a planned step
+        on ``plan``, at the module's first save, goes past (``"past"``); a
+        module called again in the step (the saves of all its calls one span
+        in the profile, all counted the first time) goes past ``"again"``.
         """
         step = self._step if self._step is not None else self._begin()
         if (
             self.plan is not plan
-            or step.index != first
             or step.profiling
             or step.waiting
             or step.deviated_at is not None
             or step.backward_at is not None
         ):
-            return False
+            return "no"
+        if first in step.passed:
+            return "again"
+        if step.index != first:
+            return "no"
         step.index = end
         step.following = True
-        return True
+        step.passed.add(first)
+        return "past"
+
+    def beside(self, module: str, why: str, nbytes: int) -> None:
+        """A save outside the plan, in ``module``: one that stays (``why``), or ``"stored"``.
+
+        Written down in a profiled step only (NOTE [ Modules kept whole ] in hooks.py).
+        """
+        step = self._step if self._step is not None else self._begin()
+        if not step.profiling:
+            return
+        if why == "stored":
+            step.stored_in.add(module)
+            return
+        tally = step.stays_in.setdefault((module, why), [0, 0])
+        tally[0] += 1
+        tally[1] += nbytes
 
     def kept_fixed(self, nbytes: int) -> None:
         """A save that stays whatever the plan (keep(), small): in every peak."""
@@ -1073,6 +1107,10 @@ class PlanRunner:
             shared_link=not step.cuda,
             # What a planned step measured (NOTE [ Replayed modules ] in planner.py).
             recorded_rebuild_s=self._recorded_rebuild_s,
+            stays_in=tuple(
+                (module, why, n, nbytes) for (module, why), (n, nbytes) in step.stays_in.items()
+            ),
+            stored_in=tuple(sorted(step.stored_in)),
         )
         return self._make(profile, "made", expected=expected)
 

@@ -503,13 +503,16 @@ class TierManager:
             if version is not None and version != handle.version:
                 raise modified_in_place(handle.shape, handle.dtype, version, handle.version)
 
-    def count_kept(self, nbytes: int, why: Placement = "keep") -> None:
-        """Count a save the caller left on the device, and why (NOTE [ Saves that stay ])."""
+    def count_kept(self, nbytes: int, why: Placement = "keep", n: int = 1) -> None:
+        """Count ``n`` saves of ``nbytes`` in all the caller left on the device, and why.
+
+        NOTE [ Saves that stay ].
+        """
         with self._counts:
             counts = self._kept_by.get(why)
             if counts is None:
                 counts = self._kept_by[why] = [0, 0]
-            counts[0] += 1
+            counts[0] += n
             counts[1] += nbytes
 
     def backward_began(self) -> None:
