@@ -141,7 +141,9 @@ __all__ = ["TierManager", "resting_nbytes"]
 # lock of their own (never the manager's lock, which drains releases,
 # settles copies and harvests writes); a plan's are not taken save by save
 # at all: every save of a step before it left its plan took the plan's
-# choice, so the runner reads them off the plan (PlanRunner.kept). No entry, handle,
+# choice, so the runner reads them off the plan (PlanRunner.kept); in a
+# module the plan keeps whole, no hook runs at all (NOTE [ Modules kept
+# whole ] in hooks.py). No entry, handle,
 # finalizer, dedupe key or schedule slot: autograd holds the tensor itself,
 # so it lives exactly as long as eager autograd would keep it, and nothing
 # needs releasing. What that skips is safe to skip:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from tierstore.bench import overhead
 
 from .conftest import parse_bench
@@ -44,3 +46,18 @@ def test_the_table_fits_100_columns() -> None:
     table = overhead.report(rows)
     assert max(len(line) for line in table.splitlines()) <= 100
     assert table.splitlines()[0].split()[:4] == ["row", "median", "us/save", "cpu"]
+
+
+def test_blocks_group_the_layers_and_the_grouping_is_in_the_json(tmp_path: Path) -> None:
+    model = overhead._chain(6, 16, block=3)
+    assert [len(b) for b in model] == [6, 6]  # two blocks of three Linear + GELU pairs
+    flat = overhead._chain(6, 16)
+    assert [type(m) for m in model.modules() if type(m) is not torch.nn.Sequential] == [
+        type(m) for m in flat.modules() if type(m) is not torch.nn.Sequential
+    ]
+    out = tmp_path / "overhead.json"
+    quick = ["overhead", "--quick", "--layers", "6", "--width", "16", "--warmup", "4"]
+    assert overhead.run(parse_bench([*quick, "--block", "3", "--json", str(out)])) == 0
+    payload = json.loads(out.read_text())
+    assert payload["settings"]["block"] == 3
+    assert all(r["grads_equal"] for r in payload["rows"])

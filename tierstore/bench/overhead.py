@@ -2,7 +2,11 @@
 
 A chain of many small ``Linear`` + GELU layers makes hundreds of saves a
 step with little compute around each, so the cost of a save's trip through
-the hooks and the store is not hidden behind compute. Rows, side by side
+the hooks and the store is not hidden behind compute. ``--block N`` groups
+the layers N pairs to a module, as a transformer's blocks group their ops:
+a module whose saves a plan keeps whole runs without hooks (NOTE [ Modules
+kept whole ] in tierstore/hooks.py), which a flat chain, one save to a
+module, never shows. Rows, side by side
 in one process: no hooks, identity ``saved_tensors_hooks``, the floor (hooks
 that hold a detached alias and check its version at unpack: the least a
 save that stays can cost, NOTE [ The floor of a save that stays ]),
@@ -96,11 +100,15 @@ class OverheadRow:
         return max(self.steps_s) / self.median_s
 
 
-def _chain(layers: int, width: int, seed: int = 0) -> torch.nn.Sequential:
+def _chain(layers: int, width: int, seed: int = 0, block: int = 1) -> torch.nn.Sequential:
+    """``layers`` Linear + GELU pairs; ``block`` > 1 groups them, that many to a block."""
     torch.manual_seed(seed)
     mods: list[torch.nn.Module] = []
     for _ in range(layers):
         mods += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    if block > 1:
+        step = 2 * block
+        mods = [torch.nn.Sequential(*mods[i : i + step]) for i in range(0, len(mods), step)]
     return torch.nn.Sequential(*mods)
 
 
@@ -177,8 +185,11 @@ def measure(
     rounds: int = 8,
     steps_per_round: int = 8,
     warmup: int = 8,
+    block: int = 1,
 ) -> list[OverheadRow]:
     """Time every row on one model, interleaved in rounds; see the module's docstring.
+
+    ``block``: Linear + GELU pairs to a block (1: a flat chain of them).
 
     Example:
         >>> rows = measure(layers=4, width=8, batch=2, rounds=1, steps_per_round=2, warmup=4)
@@ -191,16 +202,26 @@ def measure(
     torch.set_num_threads(1)
     try:
         return _measure(
-            layers, width, batch, rounds, steps_per_round=steps_per_round, warmup=warmup
+            _chain(layers, width, block=block),
+            width,
+            batch,
+            rounds,
+            steps_per_round=steps_per_round,
+            warmup=warmup,
         )
     finally:
         torch.set_num_threads(threads)
 
 
 def _measure(
-    layers: int, width: int, batch: int, rounds: int, *, steps_per_round: int, warmup: int
+    model: torch.nn.Module,
+    width: int,
+    batch: int,
+    rounds: int,
+    *,
+    steps_per_round: int,
+    warmup: int,
 ) -> list[OverheadRow]:
-    model = _chain(layers, width)
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
     saves = _count_saves(model, x)
 
@@ -316,6 +337,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=200, help="Linear + GELU pairs (default 200)")
     p.add_argument("--width", type=int, default=64, help="features per layer (default 64)")
     p.add_argument("--batch", type=int, default=32, help="rows per batch (default 32)")
+    p.add_argument(
+        "--block",
+        type=int,
+        default=1,
+        help="Linear + GELU pairs to a block, as a transformer's blocks hold several ops "
+        "(default 1: a flat chain, where no module holds more than one save)",
+    )
     p.add_argument("--rounds", type=int, default=8, help="rounds of the rows in turn (default 8)")
     p.add_argument("--steps", type=int, default=8, help="steps per row per round (default 8)")
     p.add_argument("--warmup", type=int, default=8, help="untimed steps per row (default 8)")
@@ -333,6 +361,7 @@ def run(args: argparse.Namespace) -> int:
         rounds=rounds,
         steps_per_round=steps,
         warmup=args.warmup,
+        block=args.block,
     )
     print(report(rows))
     print(
@@ -350,7 +379,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.json:
         payload = {
-            "settings": {k: getattr(args, k) for k in ("layers", "width", "batch", "warmup")}
+            "settings": {
+                k: getattr(args, k) for k in ("layers", "width", "batch", "block", "warmup")
+            }
             | {"rounds": rounds, "steps_per_round": steps, "torch": torch.__version__},
             "rows": [
                 asdict(r)
