@@ -433,3 +433,34 @@ def test_a_save_put_on_the_host_tier_starts_its_copy_at_once() -> None:
         assert entry.tensor is not None and entry.tensor.is_pinned()
         assert manager.stats().tiers["device"].entries == 0
         assert torch.equal(manager.get(handle), t)
+
+
+def test_a_block_the_plan_keeps_whole_runs_without_hooks_on_cuda(tmp_path: Path) -> None:
+    # NOTE [ Modules kept whole ] in tierstore/hooks.py: on a GPU, the hooks' Python per
+    # save is what a step waits on.
+    def blocks() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            *(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(3))
+        ).to(CUDA)
+
+    store = tierstore.TierStore(
+        tierstore.TierConfig(activation_budget=1.0, min_offload_bytes=0, disk_path=tmp_path)
+    )
+    model, eager = blocks(), blocks()
+    tops: list[Any] = []
+    model[1][0].register_forward_pre_hook(
+        lambda m, a: tops.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
+    )
+    for step in range(10):
+        x = torch.randn(8, 64, device=CUDA, generator=torch.Generator(CUDA).manual_seed(step))
+        with store.offload():
+            loss = model(x).square().mean()
+        loss.backward()
+        eager(x).square().mean().backward()
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+        model.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+    assert store.plan() is not None and tops[-1] is None
+    store.close()
