@@ -151,6 +151,17 @@ class HostBlock:
 # grown by a budget's worth (the small model 1.04-1.22x, but the default
 # model's budget=0.2 and 0.35 rows peaked 121 and 124 MiB higher). Neither
 # gave a step time the runs' spread could tell apart.
+# What the hand-backs cost, measured in one process with the steps taking
+# turns (the small model, budget=0.25, whose plan checkpoints four blocks
+# natively and rebuilds a little of the last two op by op): six hand-backs
+# a step, and a step of 646 ms with them against 556 ms without, where
+# checkpointing every block took 538 and 613 ms in the same two runs; the
+# difference is forward's, the hand-backs' walks and the pages faulted back
+# in. In bench train's own processes (12 steps a row, two runs each) no
+# hand-back at all gave budget=0.25 0.95-0.98x checkpointing's step at
+# 1.00-1.11x its peak RSS, against 1.09-1.14x at 0.99-1.07x as handed back
+# here, with checkpointing's own step 0.505-0.571 s from run to run: the
+# memory given up against the time, within the runs' spread.
 
 #: The fewest bytes a planned step lets go of between two heap releases
 #: (NOTE [ Handing the heap back ]): glibc's largest heap allocation.
