@@ -509,3 +509,26 @@ def test_without_a_readable_hook_stack_every_save_takes_the_hooks(
     _same(_block_grads(model, store, 8), _block_grads(_blocks(), None, 8))
     assert store.plan() is not None and inside[-1] == store._pack
     store.close()
+
+
+@needs_stack
+def test_hooks_around_the_block_never_see_the_saves_of_a_module_kept_whole(
+    spill_root: Path,
+) -> None:
+    store = _budget_store(spill_root)
+    model = _blocks()
+    outer = [0]
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        outer[0] += 1
+        return t
+
+    inside = _top_inside(model[2].a)
+    _block_grads(model, store, 8)
+    assert inside[-1] is None  # kept whole with nothing around the block
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        ours = _block_grads(model, store, 2, first=8)
+    assert outer[0] == 0  # as with the store's hooks on top throughout
+    assert inside[-1] == store._pack
+    _same(ours, _block_grads(_blocks(), None, 10)[8:])
+    store.close()

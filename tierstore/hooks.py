@@ -527,7 +527,9 @@ KeptUsed = Callable[[int], None]
 #     that moves nothing reads nothing back, so its peak is all it kept, and
 #     there only the first module kept whole is watched, to see a backward run.
 # Only where nothing else needs the hooks: the store's hooks on top of the
-# stack (not an inner offload(), checkpoint or a user's hooks), no keep()
+# stack (not an inner offload(), checkpoint or a user's hooks) and nothing
+# beneath them (an outer checkpoint's or user's hooks would take the saves
+# the store's had hidden from them), no keep()
 # region open (its tier is the hook's to carry out, and a module where the
 # profile saw keep() store a save is never kept whole), no recorder noting
 # saves for op-by-op rebuilds, no tracing, and a torch that can read the
@@ -538,6 +540,9 @@ KeptUsed = Callable[[int], None]
 # peak are the profile's.
 
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_HOOKS_ENABLED: Callable[[], bool] = getattr(
+    torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True
+)
 
 
 class _Regions:
@@ -688,13 +693,19 @@ class _Regions:
             or _tracing()
         ):
             return  # or not this store's planned block, or keep() or a recorder wants the hooks
+        autograd = torch._C._autograd
         top = _TOP_HOOKS(False)  # type: ignore[misc]
         plan, begin = self.plan, self._begin_kept
         if top is None or top[0] != self._pack or plan is None or begin is None:
             return  # another's hooks on top: theirs to run
-        if not begin(plan, first, end, stays):
+        if not _HOOKS_ENABLED():
+            return  # no hook may be pushed back
+        autograd._pop_saved_tensors_default_hooks()
+        # Hooks beneath the store's (a checkpoint or a user's around the
+        # block) would take the module's saves: the store's stay on top.
+        if _TOP_HOOKS(False) is not None or not begin(plan, first, end, stays):  # type: ignore[misc]
+            autograd._push_saved_tensors_default_hooks(*top)
             return
-        torch._C._autograd._pop_saved_tensors_default_hooks()
         self._kept_stack().append((module, top))
 
     @_never_traced
