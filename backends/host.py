@@ -157,11 +157,14 @@ class HostBlock:
 # a step, and a step of 646 ms with them against 556 ms without, where
 # checkpointing every block took 538 and 613 ms in the same two runs; the
 # difference is forward's, the hand-backs' walks and the pages faulted back
-# in. In bench train's own processes (12 steps a row, two runs each) no
-# hand-back at all gave budget=0.25 0.95-0.98x checkpointing's step at
-# 1.00-1.11x its peak RSS, against 1.09-1.14x at 0.99-1.07x as handed back
-# here, with checkpointing's own step 0.505-0.571 s from run to run: the
-# memory given up against the time, within the runs' spread.
+# in. That came from the rows sharing one heap. In bench train's own
+# processes (12 steps a row), budget=0.25's step was 1.03-1.21x
+# checkpointing's with the hand-backs as they are (10 runs), 1.00-1.14x
+# without counting natively checkpointed saves as let go (4 runs), and
+# 0.95-1.20x with no hand-back at all (6 runs), at a peak RSS of
+# 0.96-1.24x, 0.99-1.11x and 0.95-1.19x of checkpointing's: all within
+# the runs' spread (checkpointing's own step 0.48-0.57 s from run to run).
+# The hand-backs are not what makes that plan slower than checkpointing.
 
 #: The fewest bytes a planned step lets go of between two heap releases
 #: (NOTE [ Handing the heap back ]): glibc's largest heap allocation.
