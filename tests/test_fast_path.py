@@ -9,7 +9,9 @@ add up.
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,14 +61,21 @@ def _packed(store: tierstore.TierStore) -> list[Any]:
     return seen
 
 
-def _grads(model: torch.nn.Module, store: tierstore.TierStore | None, steps: int) -> list[Any]:
+def _grads(
+    model: torch.nn.Module,
+    store: tierstore.TierStore | None,
+    steps: int,
+    first: int = 0,
+    batch: Callable[[int], torch.Tensor] = _batch,
+) -> list[Any]:
     out = []
-    for step in range(steps):
+    for step in range(first, first + steps):
+        torch.manual_seed(100 + step)  # dropout masks, alike with and without the store
         if store is None:
-            loss = model(_batch(step)).square().mean()
+            loss = model(batch(step)).square().mean()
         else:
             with store.offload():
-                loss = model(_batch(step)).square().mean()
+                loss = model(batch(step)).square().mean()
         loss.backward()
         out.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
         model.zero_grad(set_to_none=True)
@@ -289,21 +298,8 @@ def _block_batch(step: int) -> torch.Tensor:
     return torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
 
 
-def _block_grads(
-    model: torch.nn.Module, store: tierstore.TierStore | None, steps: int, first: int = 0
-) -> list[Any]:
-    out = []
-    for step in range(first, first + steps):
-        torch.manual_seed(100 + step)  # the dropout masks, alike with and without the store
-        if store is None:
-            loss = model(_block_batch(step)).square().mean()
-        else:
-            with store.offload():
-                loss = model(_block_batch(step)).square().mean()
-        loss.backward()
-        out.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
-        model.zero_grad(set_to_none=True)
-    return out
+#: _grads on the blocks' batches.
+_block_grads = functools.partial(_grads, batch=_block_batch)
 
 
 def _budget_store(spill_root: Path, budget: float = 1.0) -> tierstore.TierStore:
