@@ -1182,8 +1182,8 @@ class TierStore:
         if passes != "past":
             return passes == "again"
         device = tensor.device if tensor is not None else None
-        for save in plan.profile.saves[first + 1 : end]:
-            self._manager.count_recomputed(save.nbytes, device)
+        rebuilt = plan.profile.saves[first + 1 : end]
+        self._manager.count_recomputed(sum(save.nbytes for save in rebuilt), device, len(rebuilt))
         return True
 
     def _begin_kept(

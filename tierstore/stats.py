@@ -289,10 +289,10 @@ class PackTally:
     def __init__(self, counts: Mapping[str, tuple[int, int]] | None = None) -> None:
         self.counts: dict[str, tuple[int, int]] = dict(counts or {})
 
-    def add(self, placement: Placement, nbytes: int) -> None:
-        """Count one save of ``nbytes`` bytes."""
-        n, b = self.counts.get(placement, (0, 0))
-        self.counts[placement] = (n + 1, b + nbytes)
+    def add(self, placement: Placement, nbytes: int, n: int = 1) -> None:
+        """Count ``n`` saves of ``nbytes`` bytes in all."""
+        had, b = self.counts.get(placement, (0, 0))
+        self.counts[placement] = (had + n, b + nbytes)
 
     @property
     def moved(self) -> bool:

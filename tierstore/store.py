@@ -602,18 +602,18 @@ class TierManager:
             out = codec.empty_strided(shape, stride, dtype, alloc)
             return self._reads.hold(out, out.untyped_storage().nbytes())
 
-    def count_recomputed(self, nbytes: int, device: torch.device | None = None) -> None:
-        """Count a saved tensor the caller will rebuild in backward instead of storing.
+    def count_recomputed(self, nbytes: int, device: torch.device | None = None, n: int = 1) -> None:
+        """Count ``n`` saved tensors, ``nbytes`` in all, the caller will rebuild in backward.
 
-        ``device``: the tensor's (a planned step counts a CPU tensor's bytes
-        as let go: NOTE [ Handing the heap back ] in tierstore/backends/host.py).
+        ``device``: theirs (a planned step counts a CPU tensor's bytes as let
+        go: NOTE [ Handing the heap back ] in tierstore/backends/host.py).
         """
         with self._locked():
-            self._packed += 1
-            self._recomputed += 1
+            self._packed += n
+            self._recomputed += n
             self._recomputed_bytes += nbytes
             with self._counts:
-                self.tally.add("recomputed", nbytes)
+                self.tally.add("recomputed", nbytes, n)
             if device is not None:
                 self._let_go(nbytes, device)
 
