@@ -349,12 +349,13 @@ def test_a_module_the_plan_keeps_whole_runs_without_hooks_and_counts_alike(
     _same(_block_grads(model, store, 8), _block_grads(_blocks(), None, 8))
     plan = store.plan()
     assert plan is not None and set(plan.choices) == {"keep"}
+    # The plan keeps everything: the model, the outermost module, is kept whole.
     assert [m for m, _, _ in tierstore.planner.kept_whole(plan.profile, plan.choices)] == [
-        "Sequential.1", "Sequential.2", "Sequential.3"
-    ]  # fmt: skip
-    # No hook inside a block once planned; the store's hooks around the first Linear.
+        "Sequential"
+    ]
+    # No hook inside the model once planned, in its blocks or around its first Linear.
     assert inside[:2] == [store._pack] * 2 and inside[-3:] == [None] * 3
-    assert outside[-1] == store._pack
+    assert outside[:2] == [store._pack] * 2 and outside[-1] is None
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
     # stats() adds up as with the hooks: every save counted kept, once per step.
@@ -434,7 +435,11 @@ def test_a_module_where_keep_stored_a_save_keeps_its_hooks(spill_root: Path) -> 
     inside_kept, inside_stored = _top_inside(model[1].a), _top_inside(model[2].a)
     _same(_block_grads(model, store, 8), _block_grads(_blocks(), None, 8))
     plan = store.plan()
-    assert plan is not None and plan.profile.stored_in == ("Sequential.2",)
+    # Not the model either, which holds that block: the blocks on each side are kept whole.
+    assert plan is not None and plan.profile.stored_in == ("Sequential", "Sequential.2")
+    assert [m for m, _, _ in tierstore.planner.kept_whole(plan.profile, plan.choices)] == [
+        "Sequential.1", "Sequential.3"
+    ]  # fmt: skip
 
     def moved() -> int:  # the host tier holds nothing under a fraction: its saves go on down
         return sum(t.bytes_written for name, t in store.stats().tiers.items() if name != "device")
@@ -478,6 +483,8 @@ def test_a_module_called_twice_a_step_stays_on_its_plan(spill_root: Path) -> Non
 
     store = _budget_store(spill_root)
     model = Twice()
+    # keep() stores the first Linear's saves: the model is not kept whole, its blocks are.
+    tierstore.keep_module(model.inner[0], "host")
     inside = _top_inside(model.inner[1].a)
     for _ in range(2):
         _block_grads(model, store, 8)

@@ -507,8 +507,9 @@ KeptUsed = Callable[[int], None]
 # hook: Python, some microseconds each, which on a GPU is a step's time (the
 # issue's H200 step ran 8% slower at a budget of 1.0, where every save
 # stays). Where a plan keeps every save of a module (kept_whole() in
-# planner.py: the profile's spans, a transformer block), its saves need no
-# hook at all: autograd holds them as it does without tierstore. So a
+# planner.py: the profile's spans, a transformer block; or the outermost
+# module, the model, under a plan that keeps everything it saves), its saves
+# need no hook at all: autograd holds them as it does without tierstore. So a
 # forward pre-hook on that module takes the store's hooks off this thread's
 # stack of saved-tensor hooks, and a forward hook puts them back (first
 # among the module's forward hooks, and also when forward raised): inside,
@@ -973,10 +974,11 @@ class _ModuleNames:
         """The running module: the outermost numbered one (``GPT.blocks.3``), else a top one."""
         return self._name(self._chain()[0])
 
-    def saving(self) -> tuple[str, bool]:
-        """:meth:`running`, and whether a compiled region hands the save over."""
+    def saving(self) -> tuple[str, str, bool]:
+        """:meth:`running`, the outermost module's name, and whether compiled code hands it."""
         chain, compiled = self._chain()
-        return self._name(chain), compiled
+        root = self._tree(chain[0]).get(id(chain[0]), "") if chain else ""
+        return self._name(chain), root, compiled
 
     def _name(self, chain: list[torch.nn.Module]) -> str:
         if not chain:
@@ -990,14 +992,14 @@ class _ModuleNames:
         return min(top) if top else min(names, key=len)
 
 
-def _module_name() -> tuple[str, bool]:
+def _module_name() -> tuple[str, str, bool]:
     """The save's module in a profiled block (NOTE [ Naming modules ]), else "".
 
-    And whether a compiled region hands it over (NOTE [ A peak above the
-    budget ] in plans.py).
+    And its outermost module (NOTE [ Modules kept whole ]), and whether a
+    compiled region hands it over (NOTE [ A peak above the budget ] in plans.py).
     """
     names = _local.names
-    return ("", False) if names is None else names.saving()
+    return ("", "", False) if names is None else names.saving()
 
 
 # NOTE [ Recompute in blocks ]
@@ -1439,7 +1441,7 @@ class TierStore:
             if type(nbytes) is int:
                 runner = self._runner
                 if runner is not None and runner.profiling:  # NOTE [ Modules kept whole ]
-                    runner.beside(_module_name()[0], "stored", nbytes)
+                    runner.beside(_module_name()[:2], "stored", nbytes)
                 return self._pack_stored(t, nbytes, tier)
         if nbytes == "layout" and isinstance(t, _placeholders()):
             # make_fx, FakeTensorMode: no data, and a size that may be
@@ -1453,7 +1455,7 @@ class TierStore:
             if nbytes in ("keep", "min_offload_bytes"):
                 runner.kept_fixed(size)  # activations it keeps
             if runner.profiling:  # NOTE [ Modules kept whole ]
-                runner.beside(_module_name()[0], nbytes, size)  # type: ignore[arg-type]
+                runner.beside(_module_name()[:2], nbytes, size)  # type: ignore[arg-type]
         return _kept(t)
 
     def _pack_stored(self, t: torch.Tensor, nbytes: int, tier: Tier | None) -> Handle | Recipe:
@@ -1495,12 +1497,13 @@ class TierStore:
             op, cost, inputs, made_in = (
                 recorder.describe(t) if recorder is not None else ("", None, [], ())
             )
-            module, compiled = _module_name()
+            module, root, compiled = _module_name()
             runner.saved(
                 handle.key,
                 nbytes=nbytes,
                 op=op,
                 module=module,
+                root=root,
                 compiled=compiled,
                 rebuild_s=cost,
                 input_keys=tuple(p.key for p in inputs if type(p) is Handle),

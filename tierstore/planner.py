@@ -173,8 +173,10 @@ def replayed(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, in
 def kept_whole(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, int, int], ...]:
     """The modules ``choices`` keeps every save of, each with its saves ``[first, end)``.
 
-    NOTE [ Modules kept whole ] in hooks.py: their saves need no hook. Not a
-    module where keep() stored a save: the hook carries that out.
+    NOTE [ Modules kept whole ] in hooks.py: their saves need no hook. The
+    outermost modules first (a plan that keeps everything keeps the model
+    whole), then the blocks outside them. Not a module where keep() stored
+    a save: the hook carries that out.
 
     Example:
         >>> from tierstore.planner import Profile, Save, kept_whole
@@ -184,11 +186,17 @@ def kept_whole(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, 
         (('a', 0, 2),)
     """
     stored = set(profile.stored_in)
-    return tuple(
-        (module, first, end)
-        for module, first, end in profile.spans
-        if module not in stored and choices[first:end].count("keep") == end - first
-    )
+
+    def whole(spans: tuple[tuple[str, int, int], ...]) -> list[tuple[str, int, int]]:
+        return [
+            (module, first, end)
+            for module, first, end in spans
+            if module not in stored and choices[first:end].count("keep") == end - first
+        ]
+
+    roots = whole(profile.root_spans)
+    covered = {i for _, first, end in roots for i in range(first, end)}
+    return (*roots, *(span for span in whole(profile.spans) if span[1] not in covered))
 
 
 def recorded_rebuilds(profile: Profile, choices: Sequence[Choice]) -> int:
@@ -245,6 +253,9 @@ class Save:
             (where the store records them; empty: ``module``).
         compiled: ``module`` ran in a compiled region, which handed its saves
             over: never checkpointed (NOTE [ Replayed modules ]).
+        root: the outermost module whose forward saved it (the model), which
+            a plan that keeps all its saves keeps whole (NOTE [ Modules kept
+            whole ] in hooks.py).
     """
 
     nbytes: int
@@ -256,6 +267,7 @@ class Save:
     inputs: tuple[int, ...] = ()
     made_in: tuple[str, ...] = ()
     compiled: bool = False
+    root: str = ""
 
 
 @dataclass(frozen=True)
@@ -306,14 +318,22 @@ class Profile:
         and only one that ran outside every compiled region: checkpoint would
         replay eagerly what ran compiled, and save other tensors.
         """
+        return self._spans_of(tuple(save.module for save in self.saves))
+
+    @cached_property
+    def root_spans(self) -> tuple[tuple[str, int, int], ...]:
+        """:attr:`spans` by each save's outermost module (NOTE [ Modules kept whole ], hooks.py)."""
+        return self._spans_of(tuple(save.root for save in self.saves))
+
+    def _spans_of(self, modules: tuple[str, ...]) -> tuple[tuple[str, int, int], ...]:
         bounds: dict[str, list[int]] = {}
         count: dict[str, int] = {}
         compiled: set[str] = set()
-        for i, save in enumerate(self.saves):
-            bounds.setdefault(save.module, [i, i])[1] = i + 1
-            count[save.module] = count.get(save.module, 0) + 1
+        for i, (module, save) in enumerate(zip(modules, self.saves, strict=True)):
+            bounds.setdefault(module, [i, i])[1] = i + 1
+            count[module] = count.get(module, 0) + 1
             if save.compiled:
-                compiled.add(save.module)
+                compiled.add(module)
         return tuple(
             (module, first, end)
             for module, (first, end) in bounds.items()

@@ -389,6 +389,7 @@ class _Row:
     inputs: tuple[int, ...]
     used_at: object = None  # the Timer's mark when backward first used it
     made_in: tuple[str, ...] = ()  # the modules that ran a rebuild's ops
+    root: str = ""  # the outermost module that saved it
 
 
 @dataclass
@@ -862,20 +863,22 @@ class PlanRunner:
         step.passed.add(first)
         return "past"
 
-    def beside(self, module: str, why: str, nbytes: int) -> None:
-        """A save outside the plan, in ``module``: one that stays (``why``), or ``"stored"``.
+    def beside(self, modules: tuple[str, ...], why: str, nbytes: int) -> None:
+        """A save outside the plan, in ``modules``: one that stays (``why``), or ``"stored"``.
 
-        Written down in a profiled step only (NOTE [ Modules kept whole ] in hooks.py).
+        Written down, for each of the (distinct) modules, in a profiled step
+        only (NOTE [ Modules kept whole ] in hooks.py).
         """
         step = self._step if self._step is not None else self._begin()
         if not step.profiling:
             return
-        if why == "stored":
-            step.stored_in.add(module)
-            return
-        tally = step.stays_in.setdefault((module, why), [0, 0])
-        tally[0] += 1
-        tally[1] += nbytes
+        for module in dict.fromkeys(modules):
+            if why == "stored":
+                step.stored_in.add(module)
+                continue
+            tally = step.stays_in.setdefault((module, why), [0, 0])
+            tally[0] += 1
+            tally[1] += nbytes
 
     def kept_fixed(self, nbytes: int) -> None:
         """A save that stays whatever the plan (keep(), small): in every peak."""
@@ -897,6 +900,7 @@ class PlanRunner:
         cuda: bool = False,
         made_in: tuple[str, ...] = (),
         compiled: bool = False,
+        root: str = "",
     ) -> None:
         """Write down a save of a profiled step (``key``: its entry's).
 
@@ -921,7 +925,8 @@ class PlanRunner:
                 step.compiled_bytes += nbytes
                 step.compiled_in.add(module)
         assert step.timer is not None
-        row = _Row(nbytes, again, op, module, step.timer.mark(), rebuild_s, inputs, None, made_in)
+        mark = step.timer.mark()
+        row = _Row(nbytes, again, op, module, mark, rebuild_s, inputs, None, made_in, root)
         step.rows.append(row)
 
     def used(self, key: int, planned: int = 0) -> bool:
@@ -1063,6 +1068,7 @@ class PlanRunner:
                 inputs=r.inputs,
                 made_in=r.made_in,
                 compiled=r.module in step.compiled_in,
+                root=r.root,
             )
             for r in rows
         )
