@@ -535,3 +535,27 @@ def test_hooks_around_the_block_never_see_the_saves_of_a_module_kept_whole(
     assert inside[-1] == store._pack
     _same(ours, _block_grads(_blocks(), None, 10)[8:])
     store.close()
+
+
+@needs_stack
+def test_offload_module_with_a_plan_that_keeps_everything_keeps_its_model_whole(
+    spill_root: Path,
+) -> None:
+    # offload_module opens the block in the model's own pre-hook: the model's
+    # hooks that keep it whole run inside that block, and put the store's back first.
+    model, eager = _blocks(), _blocks()
+    handle = tierstore.offload_module(
+        model, activation_budget=1.0, min_offload_bytes=0, disk_path=spill_root
+    )
+    inside = _top_inside(model[2].a)
+    for step in range(10):
+        torch.manual_seed(100 + step)
+        model(_block_batch(step)).square().mean().backward()
+        torch.manual_seed(100 + step)
+        eager(_block_batch(step)).square().mean().backward()
+        _same([[p.grad for p in model.parameters()]], [[p.grad for p in eager.parameters()]])
+        model.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+    assert inside[:2] == [handle.store._pack] * 2 and inside[-3:] == [None] * 3
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    handle.remove()

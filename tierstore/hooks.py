@@ -621,7 +621,7 @@ class _Regions:
                 stays = tuple((why, n, b) for m, why, n, b in profile.stays_in if m == name)
                 self._handles += [
                     module.register_forward_pre_hook(
-                        functools.partial(self._keep, first, end, stays)
+                        functools.partial(self._keep, (plan, first, end, stays))
                     ),
                     module.register_forward_hook(
                         functools.partial(self._kept, nbytes), always_call=True, prepend=True
@@ -679,13 +679,16 @@ class _Regions:
     @_never_traced
     def _keep(
         self,
-        first: int,
-        end: int,
-        stays: tuple[tuple[str, int, int], ...],
+        span: tuple[Plan, int, int, tuple[tuple[str, int, int], ...]],
         module: torch.nn.Module,
         args: Any,
     ) -> None:
-        """A module kept whole begins: the store's hooks off (NOTE [ Modules kept whole ])."""
+        """A module kept whole begins: the store's hooks off (NOTE [ Modules kept whole ]).
+
+        ``span``: the plan that keeps it, its saves ``[first, end)``, and the
+        saves outside the plan in it.
+        """
+        planned, first, end, stays = span
         if (
             _local.regions is not self
             or _local.tier is not None
@@ -697,7 +700,11 @@ class _Regions:
         autograd = torch._C._autograd
         top = _TOP_HOOKS(False)  # type: ignore[misc]
         plan, begin = self.plan, self._begin_kept
-        if top is None or top[0] != self._pack or plan is None or begin is None:
+        if plan is not planned or begin is None:
+            # A hook of the last plan, taken off as offload_module's pre-hook
+            # of this same call followed a new one: torch still calls it.
+            return
+        if top is None or top[0] != self._pack:
             return  # another's hooks on top: theirs to run
         if not _HOOKS_ENABLED():
             return  # no hook may be pushed back
