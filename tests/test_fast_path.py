@@ -9,6 +9,7 @@ add up.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
@@ -559,3 +560,26 @@ def test_offload_module_with_a_plan_that_keeps_everything_keeps_its_model_whole(
     assert inside[:2] == [handle.store._pack] * 2 and inside[-3:] == [None] * 3
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     handle.remove()
+
+
+@needs_stack
+def test_a_kept_whole_hook_of_a_replaced_plan_stands_aside(spill_root: Path) -> None:
+    # offload_module follows a new plan in the model's own pre-hook, and torch
+    # still calls the hooks of the old one for that call.
+    store = _budget_store(spill_root)
+    model = _blocks()
+    _block_grads(model, store, 8)
+    regions = store._regions
+    plan = regions.plan
+    assert plan is not None
+    (_, first, end), *_ = tierstore.planner.kept_whole(plan.profile, plan.choices)
+    replaced = dataclasses.replace(plan)
+    ours = torch._C._autograd._top_saved_tensors_default_hooks
+    with store.offload():
+        regions._keep((replaced, first, end, ()), model, ())  # a hook of a plan gone
+        assert ours(False) is not None  # stood aside: the store's hooks stay on
+        regions._keep((plan, first, end, ()), model, ())  # the plan under way
+        assert ours(False) is None
+        regions.restore()
+    assert ours(False) is None
+    store.close()
