@@ -176,14 +176,14 @@ def kept_whole(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, 
     NOTE [ Modules kept whole ] in hooks.py: their saves need no hook. The
     outermost modules first (a plan that keeps everything keeps the model
     whole), then the blocks outside them. Not a module where keep() stored
-    a save: the hook carries that out.
+    a save: the hook carries that out. Below, blocks ``a`` and ``b`` of a model ``m``.
 
     Example:
         >>> from tierstore.planner import Profile, Save, kept_whole
-        >>> saves = tuple(Save(10, "aten.mm", m, 0.0, 0.0, 0.1) for m in "aabb")
-        >>> p = Profile(saves, 1.0, 1.0, 0.0, 1e9, 1e9, 10)
-        >>> kept_whole(p, ("keep", "keep", "keep", "offload"))
-        (('a', 0, 2),)
+        >>> saves = [Save(10, "aten.mm", block, 0.0, 0.0, root="m") for block in "aabb"]
+        >>> p = Profile(tuple(saves), 1.0, 1.0, 0.0, 1e9, 1e9, 10)
+        >>> kept_whole(p, ("keep",) * 4), kept_whole(p, ("keep", "keep", "keep", "offload"))
+        ((('m', 0, 4),), (('a', 0, 2),))
     """
     stored = set(profile.stored_in)
 
