@@ -608,7 +608,7 @@ class _Regions:
             profile = plan.profile
             # A plan that moves nothing reads nothing back in backward: the
             # peak is all it kept, and one module's backward says a backward ran.
-            moves = plan.choices.count("keep") < len(plan.choices)
+            moves = not plan.keeps_everything
             watched = False
             for name, first, end in kept_whole(profile, plan.choices):
                 module = modules[name]() if name in modules else None
@@ -697,13 +697,13 @@ class _Regions:
             or _tracing()
         ):
             return  # or not this store's planned block, or keep() or a recorder wants the hooks
-        autograd = torch._C._autograd
-        top = _TOP_HOOKS(False)  # type: ignore[misc]
         plan, begin = self.plan, self._begin_kept
         if plan is not planned or begin is None:
             # A hook of the last plan, taken off as offload_module's pre-hook
             # of this same call followed a new one: torch still calls it.
             return
+        autograd = torch._C._autograd
+        top = _TOP_HOOKS(False)  # type: ignore[misc]
         if top is None or top[0] != self._pack:
             return  # another's hooks on top: theirs to run
         if not _HOOKS_ENABLED():
@@ -817,12 +817,13 @@ def _node_of(output: Any) -> Any:
     """The autograd node of a module's output: its first tensor that has one, if any."""
     if isinstance(output, torch.Tensor):
         return output.grad_fn
-    items = output.values() if isinstance(output, dict) else output
-    if isinstance(items, (tuple, list)) or isinstance(output, dict):
-        for item in items:
-            if isinstance(item, torch.Tensor) and item.grad_fn is not None:
-                return item.grad_fn
-    return None
+    if isinstance(output, dict):
+        output = tuple(output.values())
+    if not isinstance(output, (tuple, list)):
+        return None
+    return next(
+        (o.grad_fn for o in output if isinstance(o, torch.Tensor) and o.grad_fn is not None), None
+    )
 
 
 @_never_traced

@@ -422,6 +422,11 @@ class Plan:
         """Whether the predicted peak is within the budget."""
         return self.predicted_peak_bytes <= self.budget_bytes
 
+    @cached_property
+    def keeps_everything(self) -> bool:
+        """Whether every save stays: nothing offloaded, nothing rebuilt."""
+        return self.choices.count("keep") == len(self.choices)
+
     def bytes_by_choice(self) -> dict[Choice, int]:
         """Bytes kept, offloaded and rebuilt.
 

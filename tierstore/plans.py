@@ -759,7 +759,7 @@ class PlanRunner:
             and not profiling
             and plan is not None
             and plan.profile.shared_link  # a CPU's profile
-            and self._kept_before[-1][0] < len(plan.choices)  # a plan that keeps not everything
+            and not plan.keeps_everything
         ):
             self._cpu_step_began()
         return step
@@ -869,8 +869,8 @@ class PlanRunner:
         Written down, for each of the (distinct) modules, in a profiled step
         only (NOTE [ Modules kept whole ] in hooks.py).
         """
-        step = self._step if self._step is not None else self._begin()
-        if not step.profiling:
+        step = self._step
+        if step is None or not step.profiling:
             return
         for module in dict.fromkeys(modules):
             if why == "stored":
@@ -1140,8 +1140,9 @@ class PlanRunner:
             expected = self._expected
         elsewhere = self.wait_for_plans and self.background  # the process, waited for
         at_once = not self.background or (verb == "made" and self.first_plan_at_once)
-        if elsewhere or at_once or fits_everything(profile, budget):
-            if elsewhere and not fits_everything(profile, budget):
+        fits = fits_everything(profile, budget)
+        if elsewhere or at_once or fits:
+            if elsewhere and not fits:
                 plan = self._plan_in_process(profile, budget)
             else:
                 plan = make_plan(profile, budget)  # no search, or one here
