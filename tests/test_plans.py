@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import gc
 import logging
 import math
 import threading
@@ -1267,13 +1268,14 @@ def test_a_runner_that_waits_for_plans_waits_for_the_planning_process(
     runner.wait_for_plans = True
     model = _model()
     grads = []
+    seen = []  # a step's timing can remake its plan: the steps ran on one of these
     for step in range(5):
         with store.offload():
             grads.append(_step(model, step))
-        if step == 2:
-            assert store.plan() is not None  # the third step had it
-    plan = store.plan()
-    assert plan is not None and plan.steps >= 1
+        if step >= 2:
+            seen.append(store.plan())
+    assert seen[0] is not None  # the third step had it
+    assert any(plan is not None and plan.steps >= 1 for plan in seen)
     assert runner._remaking is None  # no thread: the steps waited for the process
     _same(grads, _run(None, 5))
 
@@ -1306,6 +1308,26 @@ def test_the_planning_process_makes_the_plan_this_process_would() -> None:
     worker.close()  # idempotent
     with pytest.raises(RuntimeError, match="the planning process was closed"):
         worker.plan(profile, 0)
+
+
+def test_a_planning_process_that_ended_is_replaced_and_none_is_left_open() -> None:
+    # One that died mid-run is replaced, its pipes closed; one nobody closed
+    # ends with its worker (CI's "unclosed file" warnings came from these).
+    profile = Profile((Save(1000, "aten.mm", "m", 0.0, 0.0),), 1.0, 1.0, 0.0, 1e9, 1e9, 1000)
+    worker = plans.PlanningProcess()
+    assert worker.plan(profile, 10).floor_bytes == 1000
+    first = worker._process
+    assert first is not None and first.stdin is not None and first.stdout is not None
+    first.kill()
+    first.wait(10)
+    assert worker.plan(profile, 10).floor_bytes == 1000  # a new process made it
+    second = worker._process
+    assert second is not None and second is not first
+    assert first.stdin.closed and first.stdout.closed
+    del worker
+    gc.collect()
+    assert second.wait(10) is not None
+    assert second.stdin is not None and second.stdin.closed
 
 
 @pytest.mark.parametrize("yields", [True, False])

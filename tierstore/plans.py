@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -484,6 +485,7 @@ class PlanningProcess:
 
     def __init__(self) -> None:
         self._process: subprocess.Popen[bytes] | None = None
+        self._ender: weakref.finalize[Any, Any] | None = None  # ends it, closed or collected
         self._lock = threading.Lock()
         self._closed = False
 
@@ -494,12 +496,15 @@ class PlanningProcess:
                 raise RuntimeError("tierstore: the planning process was closed")
             process = self._process
             if process is None or process.poll() is not None:
+                if self._ender is not None:
+                    self._ender()  # one that ended: its pipes, before another's
                 process = self._process = subprocess.Popen(
                     [sys.executable, "-c", _WORKER, os.path.dirname(planner.__file__)],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     close_fds=True,
                 )
+                self._ender = weakref.finalize(self, _end, process)
             assert process.stdin is not None and process.stdout is not None
             fields = dataclasses.asdict(profile)
             for name in _HOOKS_ONLY:  # the hooks layer's, not the planner's
@@ -525,17 +530,21 @@ class PlanningProcess:
     def close(self) -> None:
         """End the process. Idempotent."""
         self._closed = True
-        process, self._process = self._process, None
-        if process is None:
-            return
-        for pipe in (process.stdin, process.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
-        if process.poll() is None:
-            process.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=5)
+        self._process = None
+        if self._ender is not None:
+            self._ender()
+
+
+def _end(process: subprocess.Popen[bytes]) -> None:
+    """Close a planning process's pipes and end it: at ``close``, or for one nobody closed."""
+    for pipe in (process.stdin, process.stdout):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+    if process.poll() is None:
+        process.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5)
 
 
 class PlanRunner:
