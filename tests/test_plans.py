@@ -1094,6 +1094,44 @@ def test_a_remade_plan_shows_the_last_measurement_until_its_own() -> None:
     assert not remade.measured_before and "replaced" not in str(remade)
 
 
+def test_a_step_is_counted_to_the_plan_it_ran_on_not_one_adopted_at_its_end() -> None:
+    # A plan remade off the thread is adopted where a step ends; that step
+    # ran on the plan before it, whose measurement and count it is.
+    runner = PlanRunner(
+        tierstore.TierConfig(activation_budget=0.5), LinkClock(), LinkClock(), lambda: 0.0,
+    )  # fmt: skip
+
+    def step() -> str | None:
+        for key in range(3):
+            runner.choose(1 << 20)
+            if runner.profiling:
+                runner.saved(key, nbytes=1 << 20, op="aten.mm", module=f"m{key}",
+                             rebuild_s=0.001, input_keys=())  # fmt: skip
+        for key in reversed(range(3)):
+            runner.used(key)
+        return runner.step_ended(1 << 20)
+
+    try:
+        for _ in range(3):  # warm-up, profile (its plan made at once), a planned step
+            step()
+        first = runner.plan
+        assert first is not None and first.steps == 1
+        runner._make(first.profile, "remade")
+        assert runner._remaking is not None
+        runner._remaking.join(60)
+        assert runner._remade is not None and runner.plan is first  # ready, not yet adopted
+        line = step()
+        assert line is not None and "remade" in line
+        remade = runner.plan
+        assert remade is not None and remade is not first
+        assert first.steps == 2 and remade.steps == 0 and remade.measured_before
+        assert remade.measured_step_s == first.measured_step_s
+        step()
+        assert remade.steps == 1 and first.steps == 2
+    finally:
+        runner.close()
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_peak_above_the_budget_remakes_the_plan_once_then_warns_once(compiled: bool) -> None:
     # NOTE [ A peak above the budget ] (issue 34, item 1: re-planning looks at

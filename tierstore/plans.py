@@ -997,30 +997,33 @@ class PlanRunner:
     def step_ended(self, peak_bytes: int) -> str | None:
         """The step under way ended; returns the INFO line of a plan made or remade."""
         step, self._step = self._step, None
-        adopted = self._adopt()
-        if step is None:
-            return adopted
+        if step is None or step.waiting:  # waiting: on the safe placement, for the first plan
+            return self._adopt()
         total = time.perf_counter() - step.started
         if step.profiling:
+            self._adopt()
             if not self._warmed:
                 self._warmed = True  # lazy initialisation, first allocations: not the step
                 return None
             return self._plan_from(step, total)
-        if step.waiting:  # ran on the safe placement while the first plan was made
-            return adopted
         if step.deviated_at is not None:  # a shape no kept plan has (NOTE [ Planned steps ])
             self._unseen = "first" if step.deviated_at == 0 else "any"
+            self._adopt()
             return None
-        assert self.plan is not None
-        self.plan.measured_step_s = total
-        self.plan.measured_peak_bytes = peak_bytes
-        self.plan.measured_before = False
-        self.plan.steps += 1
         plan = self.plan
+        assert plan is not None
+        # The step is the plan's it ran on, not one remade meanwhile: that one
+        # is judged by its own steps, from the next.
+        plan.measured_step_s = total
+        plan.measured_peak_bytes = peak_bytes
+        plan.measured_before = False
+        plan.steps += 1
+        if self._remade is not None:
+            return self._adopt()
         line = self._refit(total)
         if self.plan is plan:  # not remade for its time: its peak is checked too
             line = self._check_peak(peak_bytes) or line
-        return line or adopted
+        return line or self._adopt()
 
     def _process(self) -> PlanningProcess:
         """The planning process, created on first use."""
