@@ -68,6 +68,7 @@ import ctypes
 import functools
 import mmap
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -80,7 +81,14 @@ from tierstore.backends._extents import ExtentAllocator
 from tierstore.config import ENV_PREFIX, human_bytes
 from tierstore.errors import StoreClosedError, TierstoreWarning
 
-__all__ = ["BLOCK_ALIGN", "RELEASE_MIN_BYTES", "HostBlock", "HostPool", "release_free_heap"]
+__all__ = [
+    "BLOCK_ALIGN",
+    "RELEASE_MIN_BYTES",
+    "HostBlock",
+    "HostPool",
+    "page_fault_s",
+    "release_free_heap",
+]
 
 #: Blocks start on a multiple of this (a page: DMA- and O_DIRECT-friendly).
 BLOCK_ALIGN = 4096
@@ -128,7 +136,7 @@ class HostBlock:
 # on a CPU hands the heap's free pages back (glibc's malloc_trim, which
 # gives back free chunks inside a heap too): at each step's first save
 # (whatever the plan does with it: PlanRunner's cpu_step_began; not under a
-# plan that keeps everything, which holds what no offload holds), and
+# plan that hands nothing back, below), and
 # whenever the step has let go of another budget's worth of bytes since the
 # last time (saves written out or to be rebuilt, in forward; saves read
 # back, in backward), but no more often than every RELEASE_MIN_BYTES, as
@@ -142,29 +150,31 @@ class HostBlock:
 # no bound and does none of this. Where the C library has no malloc_trim
 # (musl, macOS, Windows) nothing happens.
 #
-# Each hand-back costs the page faults of the pages used again. Two ways to
-# hand back less were measured on bench train and dropped, as each gave up
-# memory the budget had held: not counting rebuilt saves as let go (on the
-# small model, 6 blocks of d_model 256, a plan that checkpoints every block
-# then peaked at 1.19-1.43x checkpointing's RSS, against 0.97-1.16x), and
-# handing back within a step only once the process's resident set had
-# grown by a budget's worth (the small model 1.04-1.22x, but the default
-# model's budget=0.2 and 0.35 rows peaked 121 and 124 MiB higher). Neither
-# gave a step time the runs' spread could tell apart.
-# What the hand-backs cost, measured in one process with the steps taking
-# turns (the small model, budget=0.25, whose plan checkpoints four blocks
-# natively and rebuilds a little of the last two op by op): six hand-backs
-# a step, and a step of 646 ms with them against 556 ms without, where
-# checkpointing every block took 538 and 613 ms in the same two runs; the
-# difference is forward's, the hand-backs' walks and the pages faulted back
-# in. That came from the rows sharing one heap. In bench train's own
-# processes (12 steps a row), budget=0.25's step was 1.03-1.21x
-# checkpointing's with the hand-backs as they are (10 runs), 1.00-1.14x
-# without counting natively checkpointed saves as let go (4 runs), and
-# 0.95-1.20x with no hand-back at all (6 runs), at a peak RSS of
-# 0.96-1.24x, 0.99-1.11x and 0.95-1.19x of checkpointing's: all within
-# the runs' spread (checkpointing's own step 0.48-0.57 s from run to run).
-# The hand-backs are not what makes that plan slower than checkpointing.
+# Each hand-back costs the step the page faults of the pages it uses
+# again: measured on bench train's small model (6 blocks, d_model 256, seq
+# 256, batch 4: 184.5 MiB saved a step) at budget=0.25, 43-66 thousand minor
+# faults a step against 12 thousand without hand-backs, and 0.05-0.06 s of
+# a 0.5 s step. A plan that moves nothing and rebuilds only natively
+# (checkpointing modules whole: NOTE [ Replayed modules ] in
+# tierstore/planner.py) frees what it drops where torch.utils.checkpoint
+# does, and the heap holds no more than checkpointing's: such a plan hands
+# nothing back (Plan.hands_back; nor does one that keeps everything). Any
+# other plan does, as above: without hand-backs for its rebuilt saves or
+# at its start, a plan that kept a few saves in the last blocks and
+# rebuilt the rest op by op ran at 0.89-1.09x
+# checkpointing's step but at 1.14-1.53x its peak RSS (four runs of bench
+# train side by side, budget=0.25), where handing back held it at
+# 0.98-1.08x for a step of 1.01-1.11x. The planner prices the difference
+# (Profile.hand_back_s): page_fault_s(), measured once a process, for
+# each page the step saves, added to every plan that hands back. So on a
+# CPU, where checkpointing modules meets the budget, a plan that keeps
+# more and copies or rebuilds op by op the rest must be faster by more
+# than its faults. On that model at budget=0.25 the plan now checkpoints
+# the first five blocks and keeps the last whole.
+# A planned step also hands back the pages of the buffers the profiled
+# steps used (HostPool.trim) as it begins, whatever its plan: one that
+# stores nothing never reaches the tier manager's step start, and kept the
+# 40 MiB of write staging the profile had used resident through every step.
 
 #: The fewest bytes a planned step lets go of between two heap releases
 #: (NOTE [ Handing the heap back ]): glibc's largest heap allocation.
@@ -195,6 +205,46 @@ def release_free_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+#: The memory :func:`page_fault_s` faults in, each time it measures.
+_FAULT_PROBE_BYTES = 2 << 20
+
+
+@functools.cache
+def page_fault_s() -> float:
+    """Seconds a page handed back costs when it is used again; 0.0 where none is handed back.
+
+    NOTE [ Handing the heap back ]: the fault and the zeroing of a page of
+    private anonymous memory in small pages, as the heap has, above writing
+    it while resident. The least of three tries, measured once a process
+    (a few milliseconds).
+
+    Example:
+        >>> from tierstore.backends.host import page_fault_s
+        >>> page_fault_s() >= 0.0
+        True
+    """
+    if _malloc_trim() is None:
+        return 0.0
+    region = mmap.mmap(-1, _FAULT_PROBE_BYTES, flags=PRIVATE)
+    try:
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):  # the heap's pages are small ones
+            region.madvise(mmap.MADV_NOHUGEPAGE)
+        view = (ctypes.c_char * _FAULT_PROBE_BYTES).from_buffer(region)
+        cold = warm = float("inf")
+        for _ in range(3):
+            region.madvise(mmap.MADV_DONTNEED)
+            start = time.perf_counter()
+            ctypes.memset(view, 1, _FAULT_PROBE_BYTES)
+            middle = time.perf_counter()
+            ctypes.memset(view, 2, _FAULT_PROBE_BYTES)
+            cold = min(cold, middle - start)
+            warm = min(warm, time.perf_counter() - middle)
+        del view
+    finally:
+        region.close()
+    return max(cold - warm, 0.0) / (_FAULT_PROBE_BYTES // mmap.PAGESIZE)
 
 
 def _pinned(nbytes: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from tierstore.planner import (
     _MoveBounds,
     _size,
     floor_bytes,
+    hands_heap_back,
     make_plan,
     recorded_rebuilds,
     replayed,
@@ -733,6 +734,47 @@ def test_op_by_op_rebuilds_pay_what_a_planned_step_measured_and_checkpointing_do
     assert [m for m, _, _ in replayed(p, plan.choices)] == ["m.0"]
     assert recorded_rebuilds(p, plan.choices) == 0
     assert plan.predicted_step_s == pytest.approx(base + 0.003)
+
+
+def test_a_plan_that_hands_the_heap_back_pays_for_it() -> None:
+    # NOTE [ Handing the heap back ] in backends/host.py: a CPU step hands it
+    # back unless its plan moves nothing and rebuilds only natively.
+    p = dataclasses.replace(_blocks(3, 3, recorded=0.0), hand_back_s=0.5)
+    free = dataclasses.replace(p, hand_back_s=0.0)
+    whole, keep = ("keep", "rebuild", "rebuild"), ("keep",) * 3
+    cases = {
+        keep * 3: False,
+        whole + keep * 2: False,  # m.0 checkpointed
+        whole * 3: False,
+        ("keep", "keep", "rebuild") + keep * 2: True,  # op by op
+        ("keep", "offload", "keep") + keep * 2: True,
+        ("keep", "offload", "keep") + whole * 2: True,
+    }
+    for choices, hands_back in cases.items():
+        assert hands_heap_back(p, choices) is hands_back, choices
+        paid = simulate(p, choices, p.window_bytes).step_s
+        assert paid == pytest.approx(
+            simulate(free, choices, p.window_bytes).step_s + (0.5 if hands_back else 0.0)
+        )
+        assert not hands_heap_back(free, choices)  # a GPU's, or a C library without malloc_trim
+
+
+def test_on_a_cpu_a_plan_checkpoints_rather_than_hand_the_heap_back() -> None:
+    # Issue 34, item 3: on a CPU, where checkpointing a block meets the budget,
+    # a plan that hides its copies on a fast link would still pay the faults
+    # of its hand-backs, which checkpointing does not.
+    p = _blocks(4, 4, recorded=0.0, link=1e9)
+    budget = p.saved_bytes - 3000
+    moving = make_plan(p, budget)
+    assert moving.fits and moving.bytes_by_choice()["offload"] > 0  # nothing to pay: copies
+    assert moving.hands_back is False  # hand_back_s is 0: nothing is
+    cpu = dataclasses.replace(p, hand_back_s=0.01)  # dearer than m.0's rebuilds
+    plan = make_plan(cpu, budget)
+    assert plan.fits and not plan.hands_back
+    assert plan.bytes_by_choice()["offload"] == 0
+    assert [m for m, _, _ in replayed(cpu, plan.choices)] == ["m.0"]
+    cheap = dataclasses.replace(p, hand_back_s=0.001)  # cheaper than them: the copies again
+    assert make_plan(cheap, budget).hands_back
 
 
 def _dropout_blocks() -> Profile:

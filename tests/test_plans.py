@@ -12,6 +12,7 @@ import functools
 import gc
 import logging
 import math
+import mmap
 import threading
 import time
 import warnings
@@ -467,6 +468,9 @@ def test_a_planned_cpu_step_starts_on_a_released_heap(
     # steps move far less than RELEASE_MIN_BYTES, so nothing more.
     store = budget_store(0.05)
     _same(_run(store, 3), _run(None, 3))
+    plan = store.plan()
+    assert plan is not None and "offload" in plan.choices
+    assert plan.hands_back is (host._malloc_trim() is not None)
     assert store._manager._transfers.heap_releases == (2 if host._malloc_trim() else 0)
 
 
@@ -1417,6 +1421,14 @@ def test_a_plan_that_rebuilds_whole_blocks_checkpoints_them_natively(
         calls.append(func._overloadpacket.__name__)
         return original(self, func, *args, **kwargs)
 
+    trims: list[bool] = []  # each planned step's start: whether the heap went too
+    real_trim = store._manager._transfers.trim
+
+    def trim(*, heap: bool = False) -> None:
+        trims.append(heap)
+        real_trim(heap=heap)
+
+    monkeypatch.setattr(store._manager._transfers, "trim", trim)
     model = _model()
     eager = [_step(model, step) for step in range(6)]
     for step in range(6):
@@ -1424,6 +1436,7 @@ def test_a_plan_that_rebuilds_whole_blocks_checkpoints_them_natively(
             monkeypatch.setattr(Recorder, "__torch_dispatch__", counting)
             seen = _spy_packs(store)
             before, releases = store.stats(), store._manager._transfers.heap_releases
+            trims.clear()
         with store.offload():
             grads = _step(model, step)
         _same([grads], [eager[step]])
@@ -1445,12 +1458,20 @@ def test_a_plan_that_rebuilds_whole_blocks_checkpoints_them_natively(
     assert after.packed - before.packed == (after.kept - before.kept) + len(rebuilt)
     # Steps 3 to 5 followed the plan: one that left it is profiled next, recording every op.
     assert store._runner._step is None or store._runner._step.deviated_at is None
-    # NOTE [ Handing the heap back ] in backends/host.py: each of them began
-    # on a kept save and moved nothing, yet handed the heap back as it began
-    # (it let go of far less than RELEASE_MIN_BYTES: nothing more).
+    # NOTE [ Handing the heap back ] in backends/host.py: they moved nothing
+    # and rebuilt only natively, freeing what they dropped where checkpointing
+    # does: none of them handed the heap back.
     written = [sum(t.bytes_written for t in s.tiers.values()) for s in (before, after)]
     assert written[1] - written[0] == 0  # not even on the device tier: no entry at all
-    assert store._manager._transfers.heap_releases - releases == (3 if host._malloc_trim() else 0)
+    assert not plan.hands_back
+    assert store._manager._transfers.heap_releases == releases
+    # Yet each let the idle buffers of the profiled steps go (it stores
+    # nothing: no put ever reached the step's start in the tier manager).
+    assert trims == [False] * 3
+    if host._malloc_trim() is not None:  # what the planner priced, and no plan here pays
+        per_page = host.page_fault_s() / mmap.PAGESIZE
+        assert plan.profile.hand_back_s == pytest.approx(per_page * plan.profile.saved_bytes)
+        assert plan.profile.hand_back_s > 0
     store.close()
 
 

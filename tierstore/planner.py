@@ -36,6 +36,7 @@ __all__ = [
     "Plan",
     "Profile",
     "Save",
+    "hands_heap_back",
     "kept_whole",
     "make_plan",
     "recorded_rebuilds",
@@ -170,6 +171,29 @@ def replayed(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, in
     return tuple(span for span in out if span[0] not in recorded)
 
 
+def hands_heap_back(profile: Profile, choices: Sequence[Choice]) -> bool:
+    """Whether a CPU step under ``choices`` hands the heap back (NOTE [ Handing the heap back ]).
+
+    Not one that moves nothing and rebuilds only natively: it frees what it
+    drops where checkpointing does. ``False`` wherever ``hand_back_s`` is 0.
+
+    Example:
+        >>> from tierstore.planner import Profile, Save, hands_heap_back
+        >>> saves = tuple(Save(10, "aten.mm", m, 0.0, 0.0, 0.1) for m in "aab")
+        >>> p = Profile(saves, 1.0, 1.0, 0.0, 1e9, 1e9, 10, hand_back_s=0.01)
+        >>> hands_heap_back(p, ("keep", "rebuild", "keep"))  # module a checkpointed
+        False
+        >>> hands_heap_back(p, ("keep", "keep", "offload"))
+        True
+    """
+    if not profile.hand_back_s:
+        return False
+    rebuilt = list(choices).count("rebuild")
+    if "offload" in choices or (rebuilt and not profile.replayable):
+        return True
+    return rebuilt != sum(end - first - 1 for _, first, end in replayed(profile, choices))
+
+
 def kept_whole(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, int, int], ...]:
     """The modules ``choices`` keeps every save of, each with its saves ``[first, end)``.
 
@@ -290,6 +314,10 @@ class Profile:
             rather than a copy engine each way (PCIe).
         recorded_rebuild_s: what each rebuild replayed op by op costs on top
             of its compute (NOTE [ Replayed modules ]).
+        hand_back_s: what handing the heap back costs a CPU step whose plan
+            does (:func:`hands_heap_back`): the pages it uses again, faulted
+            back in (NOTE [ Handing the heap back ] in
+            tierstore/backends/host.py); 0 where nothing is handed back.
         stays_in: the saves outside the plan (parameters, small ones, kept
             ones) per module: ``(module, why, count, bytes)``; and
         stored_in: the modules where keep() stored a save. The hooks layer's
@@ -307,6 +335,7 @@ class Profile:
     fixed_bytes: int = 0
     shared_link: bool = False
     recorded_rebuild_s: float = 0.0
+    hand_back_s: float = 0.0
     stays_in: tuple[tuple[str, str, int, int], ...] = ()
     stored_in: tuple[str, ...] = ()
 
@@ -426,6 +455,11 @@ class Plan:
     def keeps_everything(self) -> bool:
         """Whether every save stays: nothing offloaded, nothing rebuilt."""
         return self.choices.count("keep") == len(self.choices)
+
+    @cached_property
+    def hands_back(self) -> bool:
+        """Whether a CPU step under this plan hands the heap back (:func:`hands_heap_back`)."""
+        return hands_heap_back(self.profile, self.choices)
 
     def bytes_by_choice(self) -> dict[Choice, int]:
         """Bytes kept, offloaded and rebuilt.
@@ -652,6 +686,8 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
         + delay
         + moved * profile.moved_s_per_byte
     )
+    if profile.hand_back_s and hands_heap_back(profile, choices):
+        step += profile.hand_back_s
     if not _runnable(profile, choices, native):  # NOTE [ Replayed modules ]
         step = math.inf
     return Outcome(step, peak, tuple(exposed))

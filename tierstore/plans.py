@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import mmap
 import os
 import statistics
 import subprocess
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from tierstore import planner
+from tierstore.backends.host import page_fault_s
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.pipeline import LinkClock
 from tierstore.planner import (
@@ -584,12 +586,12 @@ class PlanRunner:
         background: bool = True,
         events: Callable[[], Callable[[], Any] | None] | None = None,
         device_links: tuple[LinkClock, LinkClock] | None = None,
-        cpu_step_began: Callable[[], None] | None = None,
+        cpu_step_began: Callable[[bool], None] | None = None,
     ) -> None:
         assert config.activation_budget is not None
-        # Called as a planned step on a CPU plan that keeps not everything
-        # begins, before its first save is placed (NOTE [ Handing the heap
-        # back ] in tierstore/backends/host.py).
+        # Called as a planned step on a CPU begins, before its first save is
+        # placed, with whether its plan hands the heap back (NOTE [ Handing
+        # the heap back ] in tierstore/backends/host.py).
         self._cpu_step_began = cpu_step_began
         self.background = background  # NOTE [ Planning off the training thread ]
         # () -> a factory of recorded device events when a device is in use (BusyTimer)
@@ -725,6 +727,23 @@ class PlanRunner:
         step = self._step
         return budget_bytes(self.budget, step.saved_bytes if step is not None else 0)
 
+    def hands_back(self) -> bool:
+        """Whether the step under way hands the heap back as it lets bytes go.
+
+        Every step but a planned one whose plan frees what it drops where
+        checkpointing does (NOTE [ Handing the heap back ] in
+        tierstore/backends/host.py).
+
+        Example:
+            >>> from tierstore import TierConfig
+            >>> from tierstore.plans import PlanRunner
+            >>> from tierstore.pipeline import LinkClock
+            >>> PlanRunner(TierConfig(activation_budget=0.5), LinkClock(), LinkClock(),
+            ...            lambda: 0.0).hands_back()
+            True
+        """
+        return not self.planned or self.plan is None or self.plan.hands_back
+
     def read_ahead_bytes(self, held: int) -> int | None:
         """The bound on reads ahead as backward begins, ``held`` bytes being resident already.
 
@@ -768,9 +787,8 @@ class PlanRunner:
             and not profiling
             and plan is not None
             and plan.profile.shared_link  # a CPU's profile
-            and not plan.keeps_everything
         ):
-            self._cpu_step_began()
+            self._cpu_step_began(plan.hands_back)
         return step
 
     def _now_waits(self) -> float:
@@ -1112,6 +1130,7 @@ class PlanRunner:
             factor = max(0.5, (compute - min(io_cpu, compute)) / compute)
             saves = tuple(_scaled_save(s, factor) for s in saves)  # rebuilds ran slowed too
             forward, backward = forward * factor, backward * factor
+        saved = step.fixed_bytes + sum(save.nbytes for save in saves)
         profile = Profile(
             saves=saves,
             forward_s=forward,
@@ -1125,6 +1144,9 @@ class PlanRunner:
             shared_link=not step.cuda,
             # What a planned step measured (NOTE [ Replayed modules ] in planner.py).
             recorded_rebuild_s=self._recorded_rebuild_s,
+            # NOTE [ Handing the heap back ] in tierstore/backends/host.py: the
+            # pages a step that hands back uses again, as many as it saves.
+            hand_back_s=0.0 if step.cuda else page_fault_s() * saved / mmap.PAGESIZE,
             stays_in=tuple(
                 (module, why, n, nbytes) for (module, why), (n, nbytes) in step.stays_in.items()
             ),

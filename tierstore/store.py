@@ -274,7 +274,7 @@ class TierManager:
                 self._pipeline.io_cpu_s,
                 events=cuda_events,  # NOTE [ Timing a profile ] in plans.py
                 device_links=links,
-                cpu_step_began=self._transfers.release_heap,
+                cpu_step_began=self._cpu_step_began,
             )
         self._resident_peak = 0
         self._parent: int | None = None  # NOTE [ Forked children ] in tierstore/forks.py
@@ -441,13 +441,24 @@ class TierManager:
         plans = self.plans
         self._transfers.trim(heap=cpu and plans is not None and not plans.planned)
 
+    def _cpu_step_began(self, hands_back: bool) -> None:
+        """A planned CPU step begins: idle buffers, and the heap if its plan hands it back.
+
+        NOTE [ Handing the heap back ] in tierstore/backends/host.py. A step
+        that stores nothing never reaches :meth:`_step_started`: the buffers
+        the profiled steps used would stay resident. Not under the lock (the
+        pool has its own): the runner calls it from a hook, as a step begins.
+        """
+        self._transfers.trim(heap=hands_back)
+
     def _let_go(self, nbytes: int, device: torch.device) -> None:
         """Bytes of a save that left ``device``'s memory: counted by a planned CPU step.
 
         NOTE [ Handing the heap back ] in tierstore/backends/host.py. Under the lock.
         """
-        if self.plans is not None and device.type == "cpu":
-            self._transfers.let_go(nbytes, self.plans.budget_bytes_now())
+        plans = self.plans
+        if plans is not None and device.type == "cpu" and plans.hands_back():
+            self._transfers.let_go(nbytes, plans.budget_bytes_now())
 
     def get(self, handle: Handle) -> torch.Tensor:
         """The tensor ``handle`` refers to, on its original device, shape and strides.

@@ -86,6 +86,14 @@ def test_release_free_heap_hands_back_free_pages_between_live_ones() -> None:
         rss.close()
 
 
+@pytest.mark.skipif(host._malloc_trim() is None, reason="not glibc: no malloc_trim")
+def test_a_page_handed_back_costs_a_fault_measured_once() -> None:
+    # NOTE [ Handing the heap back ]: what the planner prices a hand-back at.
+    per_page = host.page_fault_s()
+    assert 0.0 < per_page < 1e-3  # a fault and a zeroed page: microseconds, not milliseconds
+    assert host.page_fault_s() == per_page  # once a process
+
+
 def test_idle_chunks_make_way_for_a_block_no_chunk_can_hold() -> None:
     # NOTE [ Host pool ]: a first step's chunks, all free again, must not turn
     # away a later step's larger block; chunks with a block out stay put.
