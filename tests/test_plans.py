@@ -1068,6 +1068,18 @@ def test_a_device_profile_keeps_a_dry_stream_busy_before_an_op() -> None:
     assert len(spins) == 2 and len(timer._spans) == 3
 
 
+def _three_saves_step(runner: PlanRunner) -> str | None:
+    """A step of three 1 MiB saves, each a module's, through ``runner`` alone; its INFO line."""
+    for key in range(3):
+        runner.choose(1 << 20)
+        if runner.profiling:
+            runner.saved(key, nbytes=1 << 20, op="aten.mm", module=f"m{key}",
+                         rebuild_s=0.001, input_keys=())  # fmt: skip
+    for key in reversed(range(3)):
+        runner.used(key)
+    return runner.step_ended(1 << 20)
+
+
 def test_a_remade_plan_shows_the_last_measurement_until_its_own() -> None:
     # Issue 34, item 6: the table said "measured -" after every remake.
     runner = PlanRunner(
@@ -1076,14 +1088,7 @@ def test_a_remade_plan_shows_the_last_measurement_until_its_own() -> None:
     )  # fmt: skip
 
     def step() -> None:
-        for key in range(3):
-            runner.choose(1 << 20)
-            if runner.profiling:
-                runner.saved(key, nbytes=1 << 20, op="aten.mm", module=f"m{key}",
-                             rebuild_s=0.001, input_keys=())  # fmt: skip
-        for key in reversed(range(3)):
-            runner.used(key)
-        runner.step_ended(1 << 20)
+        _three_saves_step(runner)
 
     for _ in range(3):  # warm-up, profile, a planned step
         step()
@@ -1106,14 +1111,7 @@ def test_a_step_is_counted_to_the_plan_it_ran_on_not_one_adopted_at_its_end() ->
     )  # fmt: skip
 
     def step() -> str | None:
-        for key in range(3):
-            runner.choose(1 << 20)
-            if runner.profiling:
-                runner.saved(key, nbytes=1 << 20, op="aten.mm", module=f"m{key}",
-                             rebuild_s=0.001, input_keys=())  # fmt: skip
-        for key in reversed(range(3)):
-            runner.used(key)
-        return runner.step_ended(1 << 20)
+        return _three_saves_step(runner)
 
     try:
         for _ in range(3):  # warm-up, profile (its plan made at once), a planned step
