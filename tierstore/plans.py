@@ -32,7 +32,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from tierstore import planner
-from tierstore.backends.host import page_fault_s
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.pipeline import LinkClock
 from tierstore.planner import (
@@ -587,12 +586,15 @@ class PlanRunner:
         events: Callable[[], Callable[[], Any] | None] | None = None,
         device_links: tuple[LinkClock, LinkClock] | None = None,
         cpu_step_began: Callable[[bool], None] | None = None,
+        page_fault_s: Callable[[], float] | None = None,
     ) -> None:
         assert config.activation_budget is not None
         # Called as a planned step on a CPU begins, before its first save is
         # placed, with whether its plan hands the heap back (NOTE [ Handing
         # the heap back ] in tierstore/backends/host.py).
         self._cpu_step_began = cpu_step_began
+        # What a page handed back costs when used again (0.0: none is handed back).
+        self._page_fault_s = page_fault_s
         self.background = background  # NOTE [ Planning off the training thread ]
         # () -> a factory of recorded device events when a device is in use (BusyTimer)
         self._events = events
@@ -1130,7 +1132,7 @@ class PlanRunner:
             factor = max(0.5, (compute - min(io_cpu, compute)) / compute)
             saves = tuple(_scaled_save(s, factor) for s in saves)  # rebuilds ran slowed too
             forward, backward = forward * factor, backward * factor
-        saved = step.fixed_bytes + sum(save.nbytes for save in saves)
+        saved, faults = step.fixed_bytes + sum(save.nbytes for save in saves), self._page_fault_s
         profile = Profile(
             saves=saves,
             forward_s=forward,
@@ -1146,7 +1148,7 @@ class PlanRunner:
             recorded_rebuild_s=self._recorded_rebuild_s,
             # NOTE [ Handing the heap back ] in tierstore/backends/host.py: the
             # pages a step that hands back uses again, as many as it saves.
-            hand_back_s=0.0 if step.cuda else page_fault_s() * saved / mmap.PAGESIZE,
+            hand_back_s=0.0 if step.cuda or faults is None else faults() * saved / mmap.PAGESIZE,
             stays_in=tuple(
                 (module, why, n, nbytes) for (module, why), (n, nbytes) in step.stays_in.items()
             ),

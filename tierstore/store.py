@@ -57,7 +57,7 @@ from tierstore.plans import PlanRunner
 from tierstore.readahead import ReadAhead
 from tierstore.schedule import Schedule
 from tierstore.stats import TIERS, PackTally, Placement, Stats, Tier, TierStats
-from tierstore.transfers import Transfers, cuda_events
+from tierstore.transfers import Transfers, cuda_events, page_fault_s
 from tierstore.writebehind import WriteBehind
 
 __all__ = ["TierManager", "resting_nbytes"]
@@ -275,6 +275,7 @@ class TierManager:
                 events=cuda_events,  # NOTE [ Timing a profile ] in plans.py
                 device_links=links,
                 cpu_step_began=self._cpu_step_began,
+                page_fault_s=page_fault_s,
             )
         self._resident_peak = 0
         self._parent: int | None = None  # NOTE [ Forked children ] in tierstore/forks.py

@@ -29,13 +29,19 @@ from typing import Any, Protocol
 import torch
 
 from tierstore import codec
-from tierstore.backends.host import RELEASE_MIN_BYTES, HostBlock, HostPool, release_free_heap
+from tierstore.backends.host import (
+    RELEASE_MIN_BYTES,
+    HostBlock,
+    HostPool,
+    page_fault_s,
+    release_free_heap,
+)
 from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.entry import Entry
 from tierstore.errors import StoreClosedError, TierFullError
 from tierstore.forks import leave_to_parent
 
-__all__ = ["DeviceCopy", "HostCopy", "Transfers"]
+__all__ = ["DeviceCopy", "HostCopy", "Transfers", "page_fault_s"]
 
 # NOTE [ Copies on CUDA ]
 # D2H (a saved tensor leaves the device): the d2h stream waits on the
