@@ -46,6 +46,7 @@ from tierstore.planner import (
 from tierstore.plans import PLANS_KEPT, PlanRunner
 from tierstore.recompute import Recipe, Recorder
 from tierstore.store import TierManager
+from tierstore.transfers import Transfers
 
 from .conftest import assert_empty
 
@@ -1406,6 +1407,14 @@ def test_a_plan_that_rebuilds_whole_blocks_checkpoints_them_natively(
 ) -> None:
     # NOTE [ Replayed modules ] in planner.py: no recorder, no recipe; the
     # blocks' saves never reach the pack hook, and dropout's masks replay.
+    trims: list[bool] = []  # each planned step's start: whether the heap went too
+    real_trim = Transfers.trim
+
+    def trim(self: Transfers, heap: bool = False) -> None:
+        trims.append(heap)
+        real_trim(self, heap)
+
+    monkeypatch.setattr(Transfers, "trim", trim)  # before the store takes it
     store = tierstore.TierStore(
         tierstore.TierConfig(activation_budget=0.6, min_offload_bytes=0, disk_path=spill_root)
     )
@@ -1419,14 +1428,6 @@ def test_a_plan_that_rebuilds_whole_blocks_checkpoints_them_natively(
         calls.append(func._overloadpacket.__name__)
         return original(self, func, *args, **kwargs)
 
-    trims: list[bool] = []  # each planned step's start: whether the heap went too
-    real_trim = store._manager._transfers.trim
-
-    def trim(*, heap: bool = False) -> None:
-        trims.append(heap)
-        real_trim(heap=heap)
-
-    monkeypatch.setattr(store._manager._transfers, "trim", trim)
     model = _model()
     eager = [_step(model, step) for step in range(6)]
     for step in range(6):

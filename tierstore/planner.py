@@ -188,10 +188,7 @@ def hands_heap_back(profile: Profile, choices: Sequence[Choice]) -> bool:
     """
     if not profile.hand_back_s:
         return False
-    rebuilt = list(choices).count("rebuild")
-    if "offload" in choices or (rebuilt and not profile.replayable):
-        return True
-    return rebuilt != sum(end - first - 1 for _, first, end in replayed(profile, choices))
+    return "offload" in choices or recorded_rebuilds(profile, choices) > 0
 
 
 def kept_whole(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, int, int], ...]:
@@ -686,7 +683,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
         + delay
         + moved * profile.moved_s_per_byte
     )
-    if profile.hand_back_s and hands_heap_back(profile, choices):
+    if hands_heap_back(profile, choices):
         step += profile.hand_back_s
     if not _runnable(profile, choices, native):  # NOTE [ Replayed modules ]
         step = math.inf

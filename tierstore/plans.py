@@ -590,8 +590,10 @@ class PlanRunner:
     ) -> None:
         assert config.activation_budget is not None
         # Called as a planned step on a CPU begins, before its first save is
-        # placed, with whether its plan hands the heap back (NOTE [ Handing
-        # the heap back ] in tierstore/backends/host.py).
+        # placed, with whether its plan hands the heap back; idle buffers go
+        # whatever the plan, as a step that stores nothing never reaches the
+        # tier manager's step start (NOTE [ Handing the heap back ] in
+        # tierstore/backends/host.py).
         self._cpu_step_began = cpu_step_began
         # What a page handed back costs when used again (0.0: none is handed back).
         self._page_fault_s = page_fault_s
@@ -1132,7 +1134,8 @@ class PlanRunner:
             factor = max(0.5, (compute - min(io_cpu, compute)) / compute)
             saves = tuple(_scaled_save(s, factor) for s in saves)  # rebuilds ran slowed too
             forward, backward = forward * factor, backward * factor
-        saved, faults = step.fixed_bytes + sum(save.nbytes for save in saves), self._page_fault_s
+        saved = step.fixed_bytes + sum(save.nbytes for save in saves)
+        faults = self._page_fault_s
         profile = Profile(
             saves=saves,
             forward_s=forward,

@@ -274,7 +274,7 @@ class TierManager:
                 self._pipeline.io_cpu_s,
                 events=cuda_events,  # NOTE [ Timing a profile ] in plans.py
                 device_links=links,
-                cpu_step_began=self._cpu_step_began,
+                cpu_step_began=self._transfers.trim,  # not under the lock: the pool has its own
                 page_fault_s=page_fault_s,
             )
         self._resident_peak = 0
@@ -441,16 +441,6 @@ class TierManager:
         self._writes.limit.step_started()
         plans = self.plans
         self._transfers.trim(heap=cpu and plans is not None and not plans.planned)
-
-    def _cpu_step_began(self, hands_back: bool) -> None:
-        """A planned CPU step begins: idle buffers, and the heap if its plan hands it back.
-
-        NOTE [ Handing the heap back ] in tierstore/backends/host.py. A step
-        that stores nothing never reaches :meth:`_step_started`: the buffers
-        the profiled steps used would stay resident. Not under the lock (the
-        pool has its own): the runner calls it from a hook, as a step begins.
-        """
-        self._transfers.trim(heap=hands_back)
 
     def _let_go(self, nbytes: int, device: torch.device) -> None:
         """Bytes of a save that left ``device``'s memory: counted by a planned CPU step.

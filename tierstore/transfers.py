@@ -239,7 +239,7 @@ class Transfers:
         """
         return self.buffer if device.type == "cpu" else None
 
-    def trim(self, *, heap: bool = False) -> None:
+    def trim(self, heap: bool = False) -> None:
         """Hand back the pages of idle buffers (NOTE [ Leased buffers ]); at a step's start.
 
         ``heap``: the free pages of the process heap too (:meth:`release_heap`).
