@@ -256,3 +256,43 @@ def test_activation_budget_from_env_and_toml(
     assert tierstore.load_config().activation_budget == 2 << 30
     with tierstore.offload(activation_budget=0.5, disk_budget=0) as store:
         assert store.config.activation_budget == 0.5
+
+
+def test_a_resolved_configuration_is_reused_until_one_of_its_sources_changes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # NOTE [ Resolved configurations are cached ]: offload() resolves on every entry.
+    first = tierstore.load_config(host_budget="1GiB")
+    assert tierstore.load_config(host_budget="1GiB") is first
+    assert tierstore.load_config(host_budget="2GiB").host_budget == 2 * 2**30
+    monkeypatch.setenv("TIERSTORE_DISK_BUDGET", "3GiB")
+    from_env = tierstore.load_config(host_budget="1GiB")
+    assert from_env.disk_budget == 3 * 2**30
+    toml = tmp_path / "tierstore.toml"
+    toml.write_text("min_offload_bytes = 5\n")
+    assert tierstore.load_config(host_budget="1GiB").min_offload_bytes == 5
+    toml.write_text("min_offload_bytes = 77\n")  # another size, whatever the clock
+    assert tierstore.load_config(host_budget="1GiB").min_offload_bytes == 77
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # no tierstore.toml here; disk_path resolves here
+    moved = tierstore.load_config(host_budget="1GiB", disk_path="spill")
+    assert (moved.min_offload_bytes, moved.disk_path) == (64 << 10, elsewhere / "spill")
+    monkeypatch.setenv("TIERSTORE_HOST_BUGDET", "3GiB")  # a resolution that raises, every time
+    for _ in range(2):
+        with pytest.raises(tierstore.ConfigError, match="TIERSTORE_HOST_BUGDET"):
+            tierstore.load_config(host_budget="1GiB")
+
+
+def test_overrides_on_a_given_configuration_are_validated_and_reused() -> None:
+    base = tierstore.TierConfig(disk_budget=0)
+    merged = tierstore.config.with_overrides(base, {"host_budget": "1KiB"})
+    assert (merged.host_budget, merged.disk_budget) == (1024, 0)
+    assert tierstore.config.with_overrides(base, {"host_budget": "1KiB"}) is merged
+    assert tierstore.config.with_overrides(base, {}) is base
+    for _ in range(2):
+        with pytest.raises(tierstore.ConfigError, match="host_budget='lots'"):
+            tierstore.config.with_overrides(base, {"host_budget": "lots"})
+    # A value that cannot be hashed skips the cache, and is still validated.
+    with pytest.raises(tierstore.ConfigError, match="host_budget="):
+        tierstore.config.with_overrides(base, {"host_budget": ["1KiB"]})

@@ -469,7 +469,8 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         **overrides: field values that win over every other source.
 
     Returns:
-        The validated configuration.
+        The validated configuration: the same object as last time while
+        none of its sources changed (NOTE [ Resolved configurations are cached ]).
 
     Raises:
         ConfigError: a value is malformed, a key is unknown, or the file is
@@ -497,12 +498,87 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
                 f"tierstore: load_config(path={str(path)!r}): no such TOML file; "
                 "pass the path of an existing file"
             )
+        key = _sources_key(toml, overrides)
+        cached = _resolved.get(key) if key is not None else None
+        if cached is not None:
+            return cached
         token = _toml_override.set(toml)
         try:
-            return TierConfig(**overrides)
+            return _remember(key, TierConfig(**overrides))
         finally:
             _toml_override.reset(token)
-    return TierConfig(**overrides)
+    key = _sources_key(None, overrides)
+    cached = _resolved.get(key) if key is not None else None
+    return cached if cached is not None else _remember(key, TierConfig(**overrides))
+
+
+def with_overrides(config: TierConfig, overrides: Mapping[str, Any]) -> TierConfig:
+    """``config`` with ``overrides`` applied, validated; cached as :func:`load_config` is.
+
+    Example:
+        >>> from tierstore.config import TierConfig, with_overrides
+        >>> with_overrides(TierConfig(disk_budget=0), {"host_budget": "1KiB"}).host_budget
+        1024
+    """
+    if not overrides:
+        return config
+    key = _sources_key(None, overrides, config)
+    cached = _resolved.get(key) if key is not None else None
+    if cached is not None:
+        return cached
+    return _remember(key, TierConfig(**{**config.model_dump(), **overrides}))
+
+
+# NOTE [ Resolved configurations are cached ]
+# tierstore.offload(**settings) resolves its configuration every time it is
+# entered, and a training loop enters it every step. pydantic-settings takes
+# about half a millisecond to build one (it walks every field's annotation
+# and every source), more than the hooks cost on a small model's whole
+# step. So a resolved TierConfig (immutable) is kept under a key that holds
+# everything it was resolved from: the arguments, every TIERSTORE_*
+# variable, the TOML file that would be read (its path, size, inode and
+# modification time in nanoseconds), the working directory (the default
+# TOML file and a relative disk_path resolve against it) and tempfile's
+# directory (disk_path's default). Any change to one of them resolves
+# afresh, so a cached value is always the one a fresh resolution would give;
+# building the key costs tens of microseconds. A resolution that raises is
+# not kept: it raises again next time. Arguments that cannot be hashed skip
+# the cache.
+_MAX_RESOLVED = 32
+_resolved: dict[tuple[Any, ...], TierConfig] = {}
+
+
+def _sources_key(
+    toml: Path | None, overrides: Mapping[str, Any], base: TierConfig | None = None
+) -> tuple[Any, ...] | None:
+    """What resolving depends on (NOTE [ Resolved configurations are cached ]); None: unhashable."""
+    environ = os.environ  # its keys only: reading every value would double the cost
+    env = tuple(
+        sorted((k, environ[k]) for k in environ if k[: len(ENV_PREFIX)].upper() == ENV_PREFIX)
+    )
+    if toml is None and base is None:
+        toml = _toml_path()
+    file: tuple[Any, ...] | None = None
+    if toml is not None:
+        try:
+            st = toml.stat()
+        except OSError:  # resolving reports it
+            return None
+        file = (str(toml.resolve()), st.st_size, st.st_ino, st.st_mtime_ns)
+    key = (base, tuple(sorted(overrides.items())), env, file, os.getcwd(), tempfile.tempdir)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _remember(key: tuple[Any, ...] | None, config: TierConfig) -> TierConfig:
+    if key is not None:
+        if len(_resolved) >= _MAX_RESOLVED:
+            _resolved.clear()
+        _resolved[key] = config
+    return config
 
 
 @dataclass(frozen=True)

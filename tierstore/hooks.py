@@ -37,7 +37,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from tierstore.config import TierConfig, load_config
+from tierstore.config import TierConfig, load_config, with_overrides
 from tierstore.errors import ConfigError, TierstoreWarning, modified_in_place
 from tierstore.handle import Handle
 from tierstore.planner import Choice, Plan, kept_whole, replayed
@@ -1688,9 +1688,7 @@ def _resolved(config: object, overrides: dict[str, Any], where: str) -> TierConf
     checked = _checked(config, where)
     if checked is None:
         return load_config(**overrides)
-    if overrides:
-        return TierConfig(**{**checked.model_dump(), **overrides})
-    return checked
+    return with_overrides(checked, overrides)
 
 
 # -- offload_module --------------------------------------------------------------

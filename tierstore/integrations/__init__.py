@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tierstore.config import TierConfig, load_config
+from tierstore.config import TierConfig, load_config, with_overrides
 from tierstore.errors import ConfigError, TierstoreError
 from tierstore.hooks import TierStore
 from tierstore.stats import Stats
@@ -101,6 +101,4 @@ def resolve(config: object, overrides: dict[str, Any], where: str) -> TierConfig
         )
     if config is None:
         return load_config(**overrides)
-    if overrides:
-        return TierConfig(**{**config.model_dump(), **overrides})
-    return config
+    return with_overrides(config, overrides)
