@@ -35,6 +35,20 @@ pages, whichever way they are first touched (1.9-2.1 GB/s measured after a
 a buffer touched only in part (LMDB's join buffer, sized to the largest
 record) may take up to one huge page more than it touches. Where the
 kernel has no huge page to give, it falls back to small pages silently.
+
+NOTE [ Idle I/O buffers ]
+
+A buffer the pool lends keeps its pages after the request: the next
+request reuses them without a fault. Between steps that is memory the
+step does not need, and where a step moves nothing to disk (a plan that
+keeps or rebuilds, after profiled steps that wrote everything) it would
+stay resident for the rest of the run, up to ``max_buffers`` times the
+buffer size. So each step's start hands back the pages of the buffers no
+request holds (:meth:`AlignedBufferPool.trim`, reached through
+``Backend.trim``), as the host pool does with its idle chunks (NOTE [
+Leased buffers ] in host.py): a step that writes again faults them back
+in, one fault per huge page where the kernel grants them (NOTE [ Huge
+pages for I/O buffers ]).
 """
 
 from __future__ import annotations
@@ -151,10 +165,12 @@ class AlignedBuffer:
         True
     """
 
-    __slots__ = ("_map", "address", "view")
+    __slots__ = ("_map", "address", "resident", "view")
 
     def __init__(self, nbytes: int) -> None:
         self._map = mmap.mmap(-1, nbytes, flags=PRIVATE)
+        #: Whether its pages may be resident: lent since it was last trimmed.
+        self.resident = False
         if nbytes >= _HUGE_MIN and hasattr(mmap, "MADV_HUGEPAGE"):
             # Before the first touch: NOTE [ Huge pages for I/O buffers ].
             with contextlib.suppress(OSError):  # THP compiled out, or disabled
@@ -166,6 +182,18 @@ class AlignedBuffer:
     def closed(self) -> bool:
         """Whether the memory has been given back to the system."""
         return self._map.closed
+
+    def trim(self) -> int:
+        """Hand its pages back, keeping it mapped; returns the bytes, 0 if none could be resident.
+
+        Private anonymous memory: the pages are freed, and the next touch
+        faults in zeroed ones (NOTE [ Idle I/O buffers ]).
+        """
+        if not self.resident or self._map.closed:
+            return 0
+        self._map.madvise(mmap.MADV_DONTNEED)
+        self.resident = False
+        return len(self._map)
 
     def close(self) -> None:
         """Unmap the memory. Idempotent.
@@ -252,14 +280,37 @@ class AlignedBufferPool:
                 if self._closed:
                     raise RuntimeError("tierstore: the aligned buffer pool is closed")
                 if self._free:
-                    return self._free.pop()
+                    buf = self._free.pop()
+                    buf.resident = True
+                    return buf
                 if len(self._all) < self.max_buffers:
                     # Mapped under the lock: rare (max_buffers times in all) and cheap,
                     # as the kernel only hands out pages on first touch.
                     buf = AlignedBuffer(self.buffer_bytes)
+                    buf.resident = True
                     self._all.append(buf)
                     return buf
                 self._returned.wait()
+
+    def trim(self) -> int:
+        """Hand back the pages of the buffers no caller holds; returns their bytes.
+
+        NOTE [ Idle I/O buffers ]. The buffers stay in the pool, mapped.
+
+        Example:
+            >>> from tierstore.backends._aligned import AlignedBufferPool
+            >>> pool = AlignedBufferPool(1 << 20, max_buffers=2)
+            >>> with pool.buffer() as buf:
+            ...     buf.view[:5] = b"bytes"
+            >>> pool.trim(), pool.trim()  # the second finds nothing resident
+            (1048576, 0)
+            >>> with pool.buffer() as buf:  # zeroed pages on the next touch
+            ...     buf.view[:5].tolist()
+            [0, 0, 0, 0, 0]
+            >>> pool.close()
+        """
+        with self._returned:
+            return sum(buf.trim() for buf in self._free)
 
     def close(self) -> None:
         """Unmap every buffer in the pool; one still lent out goes when it returns.

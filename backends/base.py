@@ -277,6 +277,32 @@ class Backend(abc.ABC, Generic[Place]):
         finally:
             self._spill.close()
 
+    def trim(self) -> int:
+        """Hand back the pages of I/O buffers no request holds; returns their bytes.
+
+        Called as a step begins (NOTE [ Idle I/O buffers ] in _aligned.py);
+        the buffers stay, and a later request faults their pages back in. A
+        closed backend has nothing to hand back.
+
+        Example:
+            >>> import tempfile
+            >>> from tierstore.backends import FileBackend
+            >>> backend = FileBackend(tempfile.mkdtemp(), 1 << 20)
+            >>> backend.trim()  # nothing lent yet
+            0
+            >>> backend.close(); backend.trim()
+            0
+        """
+        with self._lock:
+            if self._closed:
+                return 0
+            self._in_flight += 1  # close() waits for it, as for a request
+        try:
+            return self._trim_buffers()
+        finally:
+            with self._lock:
+                self._done()
+
     # -- shared helpers ------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -342,6 +368,10 @@ class Backend(abc.ABC, Generic[Place]):
 
     def _erase(self, key: int, place: Place) -> None:
         """Remove the record from storage (outside the lock); nothing to do by default."""
+
+    def _trim_buffers(self) -> int:
+        """Hand back the pages of idle I/O buffers (outside the lock); none by default."""
+        return 0
 
     def _count(self) -> int:
         """Live records as the storage counts them (inside :meth:`_io`)."""

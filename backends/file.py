@@ -333,6 +333,9 @@ class FileBackend(Backend[int]):
             self._direct_finalizer()
         self._fd_finalizer()
 
+    def _trim_buffers(self) -> int:
+        return self._pool.trim()
+
     def _footprint(self, nbytes: int) -> int:
         return -(-nbytes // ALIGN) * ALIGN
 

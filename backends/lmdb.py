@@ -195,6 +195,15 @@ class LmdbBackend(Backend[bytes]):
         if self._joined is not None:
             self._joined.close()
 
+    def _trim_buffers(self) -> int:
+        # The writes' buffer, unless a write holds it now: never wait for one.
+        if not self._write_lock.acquire(blocking=False):
+            return 0
+        try:
+            return self._joined.trim() if self._joined is not None else 0
+        finally:
+            self._write_lock.release()
+
     def _footprint(self, nbytes: int) -> int:
         """An upper bound on the pages a record of ``nbytes`` takes.
 
@@ -250,6 +259,7 @@ class LmdbBackend(Backend[bytes]):
                 joined.close()
             size = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
             joined = self._joined = AlignedBuffer(size)
+        joined.resident = True  # NOTE [ Idle I/O buffers ] in _aligned.py
         at = 0
         for view in views:
             copy(joined.view[at : at + view.nbytes], view)

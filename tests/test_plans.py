@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 import tierstore
 from tierstore import hooks, planner, plans
-from tierstore.backends import host
+from tierstore.backends import FileBackend, host
 from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.config import human_bytes
 from tierstore.hooks import _Kept
@@ -1467,6 +1467,12 @@ def test_a_plan_that_rebuilds_whole_blocks_checkpoints_them_natively(
     # Yet each let the idle buffers of the profiled steps go (it stores
     # nothing: no put ever reached the step's start in the tier manager).
     assert trims == [False] * 3
+    # And the disk I/O buffers the profiled steps wrote through (NOTE [ Idle
+    # I/O buffers ] in backends/_aligned.py).
+    backend = store._manager._pipeline.backend_if_open
+    assert isinstance(backend, FileBackend)
+    buffers = backend._pool.buffers
+    assert buffers and not any(b.resident for b in buffers)
     if host._malloc_trim() is not None:  # what the planner priced, and no plan here pays
         per_page = host.page_fault_s() / mmap.PAGESIZE
         assert plan.profile.hand_back_s == pytest.approx(per_page * plan.profile.saved_bytes)

@@ -414,6 +414,14 @@ class Pipeline:
         """The disk backend if something has opened it, else ``None``."""
         return self._backend
 
+    def trim(self) -> int:
+        """Hand back the pages of the disk backend's idle I/O buffers; returns their bytes.
+
+        At a step's start (NOTE [ Idle I/O buffers ] in tierstore/backends/_aligned.py).
+        """
+        backend = self._backend
+        return backend.trim() if backend is not None else 0
+
     def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
             loop.run_forever()

@@ -274,7 +274,7 @@ class TierManager:
                 self._pipeline.io_cpu_s,
                 events=cuda_events,  # NOTE [ Timing a profile ] in plans.py
                 device_links=links,
-                cpu_step_began=self._transfers.trim,  # not under the lock: the pool has its own
+                cpu_step_began=self._trim,
                 page_fault_s=page_fault_s,
             )
         self._resident_peak = 0
@@ -440,7 +440,16 @@ class TierManager:
         self._reads.limit.step_started()
         self._writes.limit.step_started()
         plans = self.plans
-        self._transfers.trim(heap=cpu and plans is not None and not plans.planned)
+        self._trim(cpu and plans is not None and not plans.planned)
+
+    def _trim(self, heap: bool) -> None:
+        """Hand back the pages of idle buffers as a step begins, and the heap's if ``heap``.
+
+        Host buffers (NOTE [ Leased buffers ]) and disk I/O buffers (NOTE [
+        Idle I/O buffers ]), each under its own pool's lock, never the manager's.
+        """
+        self._transfers.trim(heap)
+        self._pipeline.trim()
 
     def _let_go(self, nbytes: int, device: torch.device) -> None:
         """Bytes of a save that left ``device``'s memory: counted by a planned CPU step.

@@ -7,6 +7,7 @@ import doctest
 import mmap
 import os
 import re
+import sys
 import threading
 import time
 from typing import Any
@@ -230,3 +231,34 @@ def test_large_buffers_ask_for_huge_pages_small_ones_do_not() -> None:
     finally:
         large.close()
         small.close()
+
+
+def _resident_pages(buf: AlignedBuffer) -> int:
+    # mincore(2): one byte per page of the range, bit 0 set where the page is resident.
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = len(buf.view) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(buf.address), ctypes.c_size_t(len(buf.view)), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore(2) as Linux has it")
+def test_trim_hands_back_the_pages_of_idle_buffers_and_leaves_lent_ones() -> None:
+    # NOTE [ Idle I/O buffers ]: the pages go, the buffers stay in the pool.
+    pool = AlignedBufferPool(_aligned._HUGE_MIN, max_buffers=2)
+    pages = _aligned._HUGE_MIN // mmap.PAGESIZE
+    with pool.buffer() as first, pool.buffer() as second:
+        first.view[:] = b"\1" * len(first.view)
+        second.view[:] = b"\1" * len(second.view)
+    with pool.buffer() as lent:  # lent while the pool trims
+        assert pool.trim() == _aligned._HUGE_MIN  # only the idle one
+        assert _resident_pages(lent) == pages and lent.view[0] == 1
+    (idle,) = (b for b in pool.buffers if b is not lent)
+    assert _resident_pages(idle) == 0
+    assert pool.trim() == _aligned._HUGE_MIN  # the one lent during the last trim
+    assert pool.trim() == 0  # nothing resident is left to hand back
+    assert pool.created == 2
+    with pool.buffer() as again:  # zeroed pages where its bytes were
+        assert again.view[0] == 0
+    pool.close()

@@ -277,3 +277,18 @@ def test_closed_backend_refuses_every_call(tmp_path: Path) -> None:
         assert str(info.value) == message
     b.close()  # idempotent
     assert "closed" in repr(b)
+
+
+def test_trim_hands_back_the_join_buffer_between_writes(backend: LmdbBackend) -> None:
+    # NOTE [ Idle I/O buffers ] in _aligned.py: the buffer a record of several
+    # chunks is joined in keeps no pages between steps; the next write refills it.
+    assert backend.trim() == 0  # nothing joined yet
+    data = os.urandom(3 * 4096 + 100)
+    backend.write(1, split(data, [4096, 8192]))
+    assert backend.trim() == 4 * 4096  # the record, to whole pages
+    assert backend.trim() == 0
+    backend.write(2, split(data, [100]))
+    assert read(backend, 1, [len(data)]) == data
+    assert read(backend, 2, [len(data)]) == data
+    backend.close()
+    assert backend.trim() == 0
