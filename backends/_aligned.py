@@ -281,16 +281,16 @@ class AlignedBufferPool:
                     raise RuntimeError("tierstore: the aligned buffer pool is closed")
                 if self._free:
                     buf = self._free.pop()
-                    buf.resident = True
-                    return buf
-                if len(self._all) < self.max_buffers:
+                elif len(self._all) < self.max_buffers:
                     # Mapped under the lock: rare (max_buffers times in all) and cheap,
                     # as the kernel only hands out pages on first touch.
                     buf = AlignedBuffer(self.buffer_bytes)
-                    buf.resident = True
                     self._all.append(buf)
-                    return buf
-                self._returned.wait()
+                else:
+                    self._returned.wait()
+                    continue
+                buf.resident = True  # NOTE [ Idle I/O buffers ]
+                return buf
 
     def trim(self) -> int:
         """Hand back the pages of the buffers no caller holds; returns their bytes.

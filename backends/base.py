@@ -293,15 +293,11 @@ class Backend(abc.ABC, Generic[Place]):
             >>> backend.close(); backend.trim()
             0
         """
-        with self._lock:
-            if self._closed:
-                return 0
-            self._in_flight += 1  # close() waits for it, as for a request
         try:
-            return self._trim_buffers()
-        finally:
-            with self._lock:
-                self._done()
+            with self._io():  # close() waits for it, as for a request
+                return self._trim_buffers()
+        except StoreClosedError:
+            return 0
 
     # -- shared helpers ------------------------------------------------------
 

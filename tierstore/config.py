@@ -21,7 +21,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -498,18 +498,16 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
                 f"tierstore: load_config(path={str(path)!r}): no such TOML file; "
                 "pass the path of an existing file"
             )
-        key = _sources_key(toml, overrides)
-        cached = _resolved.get(key) if key is not None else None
-        if cached is not None:
-            return cached
-        token = _toml_override.set(toml)
-        try:
-            return _remember(key, TierConfig(**overrides))
-        finally:
-            _toml_override.reset(token)
-    key = _sources_key(None, overrides)
-    cached = _resolved.get(key) if key is not None else None
-    return cached if cached is not None else _remember(key, TierConfig(**overrides))
+
+        def from_file() -> TierConfig:
+            token = _toml_override.set(toml)
+            try:
+                return TierConfig(**overrides)
+            finally:
+                _toml_override.reset(token)
+
+        return _cached(_sources_key(toml, overrides), from_file)
+    return _cached(_sources_key(None, overrides), lambda: TierConfig(**overrides))
 
 
 def with_overrides(config: TierConfig, overrides: Mapping[str, Any]) -> TierConfig:
@@ -522,11 +520,10 @@ def with_overrides(config: TierConfig, overrides: Mapping[str, Any]) -> TierConf
     """
     if not overrides:
         return config
-    key = _sources_key(None, overrides, config)
-    cached = _resolved.get(key) if key is not None else None
-    if cached is not None:
-        return cached
-    return _remember(key, TierConfig(**{**config.model_dump(), **overrides}))
+    return _cached(
+        _sources_key(None, overrides, config),
+        lambda: TierConfig(**{**config.model_dump(), **overrides}),
+    )
 
 
 # NOTE [ Resolved configurations are cached ]
@@ -573,8 +570,13 @@ def _sources_key(
     return key
 
 
-def _remember(key: tuple[Any, ...] | None, config: TierConfig) -> TierConfig:
-    if key is not None:
+def _cached(key: tuple[Any, ...] | None, resolve: Callable[[], TierConfig]) -> TierConfig:
+    """The configuration kept under ``key``, else ``resolve()``'s, kept; ``None``: not kept."""
+    if key is None:
+        return resolve()
+    config = _resolved.get(key)
+    if config is None:
+        config = resolve()
         if len(_resolved) >= _MAX_RESOLVED:
             _resolved.clear()
         _resolved[key] = config

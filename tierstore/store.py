@@ -446,7 +446,8 @@ class TierManager:
         """Hand back the pages of idle buffers as a step begins, and the heap's if ``heap``.
 
         Host buffers (NOTE [ Leased buffers ]) and disk I/O buffers (NOTE [
-        Idle I/O buffers ]), each under its own pool's lock, never the manager's.
+        Idle I/O buffers ]), each under its own pool's lock: from put() under
+        the manager's lock too, from the plan runner not.
         """
         self._transfers.trim(heap)
         self._pipeline.trim()
