@@ -118,7 +118,8 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
     def measured_step() -> None:
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        step()
+        with torch.profiler.record_function("gpu_step"):  # benchmarks/gpu_trace.py's step
+            step()
         torch.cuda.synchronize()
         steps.append(time.perf_counter() - start)
         alloc.append(torch.cuda.max_memory_allocated() - base_alloc)
@@ -143,7 +144,7 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 break
             measured_step()
     warmup = len(steps)
-    if args.profile == name:
+    if name in _profiled(args):
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(2):
                 measured_step()
@@ -152,7 +153,7 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
         print(averages.table(sort_by="self_cpu_time_total", row_limit=40), file=sys.stderr)
         print(averages.table(sort_by="self_cuda_time_total", row_limit=25), file=sys.stderr)
         if args.trace:
-            prof.export_chrome_trace(args.trace)
+            prof.export_chrome_trace(f"{args.trace}-{name.replace('=', '-')}.json")
     for _ in range(args.steps):
         measured_step()
     timed = steps[warmup:]
@@ -242,8 +243,13 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--vocab", type=int, default=16384)
     p.add_argument("--json", default=None)
-    p.add_argument("--profile", default=None, metavar="ROW", help="profile 2 steps of ROW")
-    p.add_argument("--trace", default=None, metavar="PATH", help="the profile's chrome trace")
+    p.add_argument("--profile", default="", metavar="ROWS", help="profile 2 steps of each ROW")
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="PREFIX",
+        help="each profile's trace: PREFIX-ROW.json ('=' in ROW as '-')",
+    )
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one is not None:
@@ -258,7 +264,7 @@ def main() -> int:
         if done.returncode != 0:
             print(f"{name}: failed\n{done.stderr[-3000:]}", flush=True)
             continue
-        if name == args.profile:
+        if name in _profiled(args):
             print(done.stderr[-20000:], flush=True)
         row = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append(row)
@@ -302,6 +308,10 @@ def main() -> int:
             flush=True,
         )
     return 0
+
+
+def _profiled(args: argparse.Namespace) -> list[str]:
+    return [r for r in args.profile.split(",") if r]
 
 
 def _dump(path: str, rows: list[dict[str, Any]]) -> None:
