@@ -13,7 +13,8 @@ kernel (flash's backward is not deterministic) and compares its gradients
 bitwise with a step without offload in the same process.
 
 Rows: ``none``; ``kept`` (``device_budget="64GiB"``: every save stays, only
-the hooks run); ``budget=F`` (``activation_budget=F``); ``checkpoint-N``
+the hooks run); ``budget=F`` (``activation_budget=F``); ``device=SIZE``
+(``device_budget=SIZE``, no plan); ``checkpoint-N``
 (``torch.utils.checkpoint`` on the first N blocks).
 """
 
@@ -95,6 +96,10 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
         store = tierstore.TierStore(
             tierstore.TierConfig(activation_budget=float(name.removeprefix("budget=")))
         )
+    elif name.startswith("device="):
+        store = tierstore.TierStore(
+            tierstore.TierConfig(device_budget=name.removeprefix("device="))
+        )
     elif name.startswith("checkpoint-"):
         model.checkpointed = int(name.removeprefix("checkpoint-"))
 
@@ -131,6 +136,7 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
             None if plan is None else [plan.steps, plan.predicted_step_s, plan.measured_step_s]
         )
 
+    profiled_early = False
     for _ in range(args.warmup):
         measured_step()
     if store is not None and store.config.activation_budget is not None:
@@ -142,18 +148,15 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
             entry = plans[-1]
             if entry is not None and entry[0] >= args.settle:
                 break
+            first_plan = entry is not None and args.profile_first and not profiled_early
+            if first_plan and name in _profiled(args):  # before any remake
+                _profile(name, args, measured_step, store)
+                profiled_early = True
             measured_step()
     warmup = len(steps)
-    if name in _profiled(args):
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(2):
-                measured_step()
+    if name in _profiled(args) and not profiled_early:
+        _profile(name, args, measured_step, store)
         warmup = len(steps)
-        averages = prof.key_averages()
-        print(averages.table(sort_by="self_cpu_time_total", row_limit=40), file=sys.stderr)
-        print(averages.table(sort_by="self_cuda_time_total", row_limit=25), file=sys.stderr)
-        if args.trace:
-            prof.export_chrome_trace(f"{args.trace}-{name.replace('=', '-')}.json")
     for _ in range(args.steps):
         measured_step()
     timed = steps[warmup:]
@@ -245,6 +248,11 @@ def main() -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--profile", default="", metavar="ROWS", help="profile 2 steps of each ROW")
     p.add_argument(
+        "--profile-first",
+        action="store_true",
+        help="profile a budget row's first planned steps, not its settled plan's",
+    )
+    p.add_argument(
         "--trace",
         default=None,
         metavar="PREFIX",
@@ -308,6 +316,32 @@ def main() -> int:
             flush=True,
         )
     return 0
+
+
+def _profile(name: str, args: argparse.Namespace, measured_step: Any, store: Any) -> None:
+    """Two steps of ``name`` under torch.profiler: its tables on stderr, its trace."""
+    plan = store.plan() if store is not None else None
+    before = store.stats() if store is not None else None
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            measured_step()
+    if before is not None:
+        after = store.stats()
+        moved = {
+            k: getattr(after, k) - getattr(before, k)
+            for k in vars(after)
+            if isinstance(getattr(after, k), (int, float))
+            and not isinstance(getattr(after, k), bool)
+        }
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=30), file=sys.stderr)
+    print(averages.table(sort_by="self_cuda_time_total", row_limit=20), file=sys.stderr)
+    if plan is not None:
+        print(f"# {name}: the plan profiled\n{plan}", file=sys.stderr)
+    if before is not None:
+        print(f"# {name}: stats over the two profiled steps {moved}", file=sys.stderr)
+    if args.trace:
+        prof.export_chrome_trace(f"{args.trace}-{name.replace('=', '-')}.json")
 
 
 def _profiled(args: argparse.Namespace) -> list[str]:

@@ -51,7 +51,7 @@ def summarize(path: str) -> str:
     runtime = {
         e["args"]["correlation"]: e
         for e in xs
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
     gpu = [e for e in xs if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     host_ranges = sorted(
