@@ -37,6 +37,7 @@ from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 
 import tierstore
+from tierstore.planner import recorded_rebuilds
 
 #: The most extra warm-up steps a budget row takes while its plan is made.
 MAX_STEPS_TO_A_PLAN = 60
@@ -130,10 +131,20 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
         alloc.append(torch.cuda.max_memory_allocated() - base_alloc)
         reserved.append(torch.cuda.max_memory_reserved() - base_reserved)
         plan = store.plan() if store is not None else None
-        # One entry per step: [steps run on the plan, predicted s, last measured s]
-        # (a step's measured time lands as the next one begins), None before a plan.
+        # One entry per step: [steps run on the plan, predicted s, last measured s,
+        # bytes offloaded, bytes rebuilt, saves rebuilt op by op] (a step's
+        # measured time lands as the next one begins), None before a plan.
         plans.append(
-            None if plan is None else [plan.steps, plan.predicted_step_s, plan.measured_step_s]
+            None
+            if plan is None
+            else [
+                plan.steps,
+                plan.predicted_step_s,
+                plan.measured_step_s,
+                plan.bytes_by_choice()["offload"],
+                plan.bytes_by_choice()["rebuild"],
+                recorded_rebuilds(plan.profile, plan.choices),
+            ]
         )
 
     profiled_early = False
@@ -148,8 +159,11 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
             entry = plans[-1]
             if entry is not None and entry[0] >= args.settle:
                 break
-            first_plan = entry is not None and args.profile_first and not profiled_early
-            if first_plan and name in _profiled(args):  # before any remake
+            now = entry is not None and not profiled_early and name in _profiled(args)
+            if now and (
+                args.profile_at == "first"
+                or (args.profile_at == "offloading" and _offloads_only(store.plan()))
+            ):
                 _profile(name, args, measured_step, store)
                 profiled_early = True
             measured_step()
@@ -174,7 +188,7 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "peak_reserved_bytes": max(reserved),
     }
     if store is not None:
-        out["plan_history"] = plans  # per step: [planned steps so far, predicted s, measured s]
+        out["plan_history"] = plans  # per step: as measured_step() notes it
         plan = store.plan()
         if plan is not None:
             profile = plan.profile
@@ -248,9 +262,11 @@ def main() -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--profile", default="", metavar="ROWS", help="profile 2 steps of each ROW")
     p.add_argument(
-        "--profile-first",
-        action="store_true",
-        help="profile a budget row's first planned steps, not its settled plan's",
+        "--profile-at",
+        choices=("settled", "first", "offloading"),
+        default="settled",
+        help="a budget row's steps to profile: its settled plan's, its first plan's, or "
+        "those of its first plan that offloads and rebuilds nothing op by op",
     )
     p.add_argument(
         "--trace",
@@ -342,6 +358,15 @@ def _profile(name: str, args: argparse.Namespace, measured_step: Any, store: Any
         print(f"# {name}: stats over the two profiled steps {moved}", file=sys.stderr)
     if args.trace:
         prof.export_chrome_trace(f"{args.trace}-{name.replace('=', '-')}.json")
+
+
+def _offloads_only(plan: Any) -> bool:
+    """Whether ``plan`` offloads and replays nothing op by op (natively checkpointed: fine)."""
+    return (
+        plan is not None
+        and plan.bytes_by_choice()["offload"] > 0
+        and recorded_rebuilds(plan.profile, plan.choices) == 0
+    )
 
 
 def _profiled(args: argparse.Namespace) -> list[str]:

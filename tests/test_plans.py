@@ -746,6 +746,39 @@ def test_a_step_slower_than_predicted_charges_its_op_by_op_rebuilds() -> None:
     assert line is not None and line.startswith("tierstore: plan rescaled")
 
 
+@pytest.mark.parametrize("cuda", [False, True])
+def test_a_slow_step_that_moves_and_records_charges_the_recorder_alone_on_cuda(
+    cuda: bool,
+) -> None:
+    # NOTE [ Charging a slow step ]: on a CPU both causes pay in full; on
+    # CUDA, where copies are timed on their own streams, the recorder alone,
+    # so the remade plan may still offload.
+    runner = PlanRunner(
+        tierstore.TierConfig(activation_budget=0.5), LinkClock(), LinkClock(), lambda: 0.0
+    )
+    runner.background = False
+    saves = tuple(
+        Save(4096, "aten.gelu", f"m.{b}", 0.01 * (3 * b + k), 0.02 * (6 - 3 * b - k), 0.01)
+        for b in range(2)
+        for k in range(3)
+    )
+    profile = Profile(saves, 0.06, 0.12, 0.0, 1e6, 1e6, 4096, shared_link=not cuda)
+    mixed = ("offload", "rebuild", "keep", "offload", "rebuild", "keep")
+    plan = replace(make_plan(profile, 4 * 4096), choices=mixed)
+    plan.predicted_step_s = simulate(profile, mixed, 4096).step_s
+    runner._use((4096,) * 6, plan)
+    assert recorded_rebuilds(profile, mixed) == 2
+    line = runner._refit(plan.predicted_step_s + 0.2)  # far off: at once
+    assert line is not None and line.startswith("tierstore: plan remade")
+    remade = runner.plan
+    assert remade is not None and remade is not plan
+    assert remade.profile.recorded_rebuild_s == pytest.approx(0.1)
+    if cuda:
+        assert remade.profile.moved_s_per_byte == 0.0
+    else:
+        assert remade.profile.moved_s_per_byte == pytest.approx(0.2 / (2 * 2 * 4096))
+
+
 def test_a_first_planned_step_far_off_is_corrected_at_once_then_checked_again() -> None:
     runner, _ = _checked_runner()
     assert runner._refit(0.5) is not None  # the first check: 50% off

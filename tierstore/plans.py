@@ -106,6 +106,23 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # remade only when three steps' median leaves it by 10%: re-planning costs
 # time, and a plan that keeps changing cannot be measured.
 
+# NOTE [ Charging a slow step ]
+# A slow step's excess goes to what the profile could not price. On a CPU
+# both the moved bytes (copies and checksums on the step's own cores) and
+# the op-by-op rebuilds (the recorder's Python) may be it, and each is
+# charged in full, so the remade plan does without both at once. On CUDA
+# the copies run on their own streams, each timed with events, and what no
+# profile sees is the host: the recorder runs Python on every op of the
+# modules it records in, while the GPU runs each op in microseconds. On an
+# H200 a budget's first plans (32 MiB rebuilt op by op in every block, 64 to
+# 128 MiB offloaded) took 127 to 166 ms for a step whose kernels took 57:
+# the compute stream sat 63 to 102 ms waiting for the host to launch the
+# next kernel, and never for a copy (benchmarks/gpu_trace.py on two
+# profiled steps). Charging the moved bytes as well took every offload out
+# of the remade plans, which settled on checkpointing alone. So there a
+# plan that replays op by op charges its excess to that alone, and the
+# moved bytes pay only once a plan that records nothing runs slow.
+
 # NOTE [ A peak above the budget ]
 # A planned step's peak is checked as its time is. One above the budget (and
 # the prediction) by more than REFIT_TOLERANCE, and by more than the largest
@@ -1355,10 +1372,13 @@ class PlanRunner:
             # Slower than predicted: the excess is charged to the moved bytes
             # and to the rebuilds replayed op by op (NOTE [ Replayed modules ]
             # in planner.py), each as if it alone were the cause, so that the
-            # next plan does without what cost more than priced.
+            # next plan does without what cost more than priced. Except on a
+            # device with a copy engine each way: NOTE [ Charging a slow step ].
             excess = basis - plan.predicted_step_s
             recorded = recorded_rebuilds(profile, plan.choices)
             moved = 2 * plan.bytes_by_choice()["offload"]
+            if recorded and not profile.shared_link:
+                moved = 0
             if recorded or moved:
                 if recorded:
                     self._recorded_rebuild_s = profile.recorded_rebuild_s + excess / recorded
