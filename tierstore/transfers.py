@@ -305,6 +305,15 @@ class Transfers:
         """
         pool = self._pool(pinned=True)
         block = pool.take(nbytes)
+        if block is None and self._returns:
+            # Blocks given back wait for the copies issued before their release
+            # (NOTE [ Copies on CUDA ]); with the host far ahead of the device,
+            # they can fill the pool: wait for those copies rather than refuse.
+            for events, _ in self._returns:
+                for event in events:
+                    event.synchronize()
+            self.reclaim()
+            block = pool.take(nbytes)
         if block is None:
             cfg = self._config
             raise TierFullError(
