@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -339,7 +340,7 @@ class Transfers:
         streams = self._streams_of(span.device)
         producer = torch.cuda.current_stream(span.device)  # at call time, never cached
         links = self._links
-        with torch.profiler.record_function("tierstore::d2h"):
+        with _traced("tierstore::d2h"):
             streams.d2h.wait_stream(producer)
             with torch.cuda.stream(streams.d2h):
                 began = _timing_event(streams.d2h) if links is not None else None
@@ -438,7 +439,7 @@ class Transfers:
             return DeviceCopy(span.to(device), None)
         streams = self._streams_of(device)
         consumer = torch.cuda.current_stream(device)  # at call time, never cached
-        with torch.profiler.record_function("tierstore::h2d"):
+        with _traced("tierstore::h2d"):
             # On the consumer's stream; the copy waits for the allocation
             # there (NOTE [ Copies on CUDA ]).
             out = torch.empty(span.shape, dtype=span.dtype, device=device)
@@ -537,6 +538,21 @@ class Transfers:
         for pool in (pinned, buffers):
             if pool is not None:
                 pool.close()
+
+
+_UNTRACED = contextlib.nullcontext()
+
+
+def _traced(name: str) -> contextlib.AbstractContextManager[object]:
+    """A profiler range named ``name`` while a profiler runs; else nothing.
+
+    A ``record_function`` costs a dispatcher call each way even with no
+    profiler (6 us a copy on a 2-vCPU VM), and every moved save makes a copy
+    each way.
+    """
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return _UNTRACED
 
 
 def _timing_event(stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
