@@ -24,6 +24,7 @@ from tierstore.planner import (
     recorded_rebuilds,
     replayed,
     simulate,
+    tied,
 )
 
 GIB = 1 << 30
@@ -509,6 +510,7 @@ def _random_profile(rng: random.Random) -> Profile:
         rng.choice([2e9, 10e9]),
         rng.choice([8, 64]) * MIB,
         moved_s_per_byte=rng.choice([0.0, 1e-11]),
+        moved_s_per_save=rng.choice([0.0, 5e-4]),
         fixed_bytes=rng.choice([0, 16 * MIB]),
         shared_link=rng.random() < 0.5,
     )
@@ -809,3 +811,35 @@ def test_a_random_save_is_rebuilt_only_where_its_module_is_checkpointed() -> Non
             plan.choices,
         )
         assert math.isfinite(plan.predicted_step_s)
+
+
+def test_a_tensor_saved_twice_takes_its_first_saves_choice() -> None:
+    # NOTE [ A tensor saved twice ]: log_softmax's output saved again by
+    # nll_loss. Chosen on its own, the second save (no bytes) stayed offloaded
+    # beside a first save the plan kept, and went off the device in full.
+    early = tuple(Save(1000, "aten.mm", f"m{i}", 0.1 * i, 1.5 - 0.1 * i, 0.01) for i in range(4))
+    first = Save(4000, "aten._log_softmax", "top", 0.45, 0.0, 0.01)
+    again = Save(0, "aten._log_softmax", "top", 0.45, 0.0, 0.01, same_as=4)
+    profile = Profile((*early, first, again), 0.5, 2.0, 0.0, 1e3, 1e3, 2000)
+    for budget in (3000, 4000, 5000, 6000):
+        plan = make_plan(profile, budget)
+        assert plan.choices[5] == plan.choices[4]
+        assert plan.predicted_step_s == simulate(profile, plan.choices, plan.window_bytes).step_s
+    assert make_plan(profile, 4000).choices[4:] == ("keep", "keep")
+    assert tied(profile, ("keep",) * 5 + ("offload",))[5] == "keep"
+
+
+def test_each_moved_save_pays_its_host_time_once() -> None:
+    # NOTE [ Charging a slow step ] in plans.py: on CUDA what a moved save
+    # costs is the host's, per save; a tensor saved again moves with its first.
+    saves = (
+        Save(1000, "aten.mm", "a", 0.1, 1.0),
+        Save(10, "aten.mm", "b", 0.2, 0.5),
+        Save(0, "aten.mm", "b", 0.2, 0.5, same_as=1),
+    )
+    profile = Profile(saves, 0.3, 1.5, 0.0, 1e9, 1e9, 4096)
+    priced = dataclasses.replace(profile, moved_s_per_save=0.25)
+    for choices in [("offload", "keep", "keep"), ("offload", "offload", "offload")]:
+        moved = sum(c == "offload" and s.nbytes > 0 for c, s in zip(choices, saves, strict=True))
+        base = simulate(profile, choices, 4096).step_s
+        assert simulate(priced, choices, 4096).step_s == pytest.approx(base + 0.25 * moved)

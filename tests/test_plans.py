@@ -685,7 +685,8 @@ def test_the_checks_go_on_while_the_plan_runs() -> None:
     assert runner.plan.predicted_step_s == pytest.approx(0.8)
 
 
-def test_a_dearer_link_replans_off_the_training_thread() -> None:
+@pytest.mark.parametrize("cuda", [False, True])
+def test_a_dearer_link_replans_off_the_training_thread(cuda: bool) -> None:
     # NOTE [ Planning off the training thread ]: a plan that offloads, slower
     # than predicted, is made again on a thread; the steps go on under the
     # plan they have, and the next step boundary after it is ready switches.
@@ -693,7 +694,7 @@ def test_a_dearer_link_replans_off_the_training_thread() -> None:
         tierstore.TierConfig(activation_budget=0.4), LinkClock(), LinkClock(), lambda: 0.0
     )
     saves = tuple(Save(4096, "aten.mm", f"m{i}", 0.1 * i, 0.2 * (2 - i)) for i in range(3))
-    profile = Profile(saves, 0.3, 0.6, 0.1, 1e5, 1e5, 8192)
+    profile = Profile(saves, 0.3, 0.6, 0.1, 1e5, 1e5, 8192, shared_link=not cuda)
     plan = make_plan(profile, int(0.4 * profile.saved_bytes))
     assert plan.bytes_by_choice()["offload"] > 0
     runner._use((4096,) * 3, plan)
@@ -704,7 +705,13 @@ def test_a_dearer_link_replans_off_the_training_thread() -> None:
     line = runner.step_ended(0)  # no step under way: only the switch
     assert line is not None and line.startswith("tierstore: plan remade")
     assert runner.plan is not plan
-    assert runner.plan.profile.moved_s_per_byte > 0
+    # NOTE [ Charging a slow step ]: per byte on a CPU, per save on CUDA.
+    if cuda:
+        assert runner.plan.profile.moved_s_per_byte == 0
+        assert runner.plan.profile.moved_s_per_save > 0
+    else:
+        assert runner.plan.profile.moved_s_per_byte > 0
+        assert runner.plan.profile.moved_s_per_save == 0
 
 
 def test_a_step_slower_than_predicted_charges_its_op_by_op_rebuilds() -> None:
@@ -1572,4 +1579,33 @@ def test_a_checkpointed_block_under_offload_module_nests_inside_the_blocks_hooks
     assert store.stats().recomputed > before.recomputed  # the planned steps replayed them
     # No saved-tensor hooks left pushed, neither the store's nor checkpoint's.
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    store.close()
+
+
+def test_a_tensor_saved_twice_is_profiled_as_its_first_save_and_planned_alike(
+    spill_root: str,
+) -> None:
+    # NOTE [ A tensor saved twice ] in planner.py: cross_entropy's
+    # log-probabilities, saved by log_softmax and again by nll_loss.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 512)
+    )
+    x, target = torch.randn(64, 64), torch.randint(0, 512, (64,))
+    store = tierstore.TierStore(
+        tierstore.TierConfig(activation_budget=0.5, min_offload_bytes=0, disk_path=spill_root)
+    )
+    store._runner.background = False  # type: ignore[union-attr]
+    for _ in range(4):
+        with store.offload():
+            loss = torch.nn.functional.cross_entropy(model(x), target)
+        loss.backward()
+    plan = store.plan()
+    assert plan is not None
+    saves = plan.profile.saves
+    twice = [(i, s) for i, s in enumerate(saves) if s.same_as is not None]
+    assert [(s.op, s.nbytes) for _, s in twice] == [("aten._log_softmax", 0)]
+    (i, again), first = twice[0], saves[twice[0][1].same_as]  # type: ignore[index]
+    assert (first.op, first.nbytes) == ("aten._log_softmax", 64 * 512 * 4)
+    assert plan.choices[i] == plan.choices[again.same_as]  # type: ignore[index]
     store.close()

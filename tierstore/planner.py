@@ -256,6 +256,21 @@ def _natively_rebuilt(profile: Profile, choices: Sequence[Choice]) -> set[int]:
     return {j for _, first, end in replayed(profile, choices) for j in range(first + 1, end)}
 
 
+# NOTE [ A tensor saved twice ]
+# Autograd often saves one tensor twice in a step: log_softmax saves its
+# output and nll_loss saves it again as its input. The store keeps one entry
+# for both, so the profile gives the second save no bytes (Save.same_as names
+# the first). A choice made for it on its own was made on nothing: keeping
+# it, offloading it, rebuilding it all cost the plan 0 bytes, and a search
+# that started from everything offloaded left it offloaded. But in a planned
+# step the first save, kept, has no entry to share, and the second then went
+# off the device in full: on an H200 GPT step the 512 MiB log-probabilities
+# were copied out as forward ended and back as backward began in every plan
+# that offloaded (9.7 ms each way, nothing to hide them behind), beside a
+# plan that said it kept them. So every plan gives the second save the first
+# one's choice (tied()): kept beside it, or offloaded into the same entry.
+
+
 @dataclass(frozen=True)
 class Save:
     """One saved tensor of a profiled step, in the order forward saved it.
@@ -277,6 +292,9 @@ class Save:
         root: the outermost module whose forward saved it (the model), which
             a plan that keeps all its saves keeps whole (NOTE [ Modules kept
             whole ] in hooks.py).
+        same_as: the earlier save of the same tensor (its index), when this
+            one saves it again: no bytes of its own, and the plan's choice
+            for it is that save's (NOTE [ A tensor saved twice ]).
     """
 
     nbytes: int
@@ -289,6 +307,7 @@ class Save:
     made_in: tuple[str, ...] = ()
     compiled: bool = False
     root: str = ""
+    same_as: int | None = None
 
 
 @dataclass(frozen=True)
@@ -305,6 +324,10 @@ class Profile:
         window_bytes: the most bytes that may be in flight each way.
         moved_s_per_byte: compute time each byte moved costs the step on top
             of the link (a CPU's copies and checksums run on its own cores).
+        moved_s_per_save: host time each offloaded save costs the step, its
+            trip through the store out and back (on CUDA, where the copies
+            are timed on their own streams: NOTE [ Charging a slow step ]
+            in tierstore/plans.py); 0 until a planned step measured it.
         fixed_bytes: saved bytes that stay whatever the plan (kept tensors,
             saves under ``min_offload_bytes``): counted in every peak.
         shared_link: one link both ways (a disk: reads queue behind writes),
@@ -329,6 +352,7 @@ class Profile:
     read_bytes_per_s: float
     window_bytes: int
     moved_s_per_byte: float = 0.0
+    moved_s_per_save: float = 0.0
     fixed_bytes: int = 0
     shared_link: bool = False
     recorded_rebuild_s: float = 0.0
@@ -571,7 +595,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
     stall = 0.0
     link_out = -math.inf
     queue: deque[tuple[float, int]] = deque()  # (copy done at, bytes)
-    queued = kept = peak = moved = 0
+    queued = kept = peak = moved = n_moved = 0
     for i, (save, choice) in enumerate(zip(saves, choices, strict=True)):
         now = save.forward_s + stall
         while queue and queue[0][0] <= now:
@@ -586,6 +610,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
                 now, queued = done, queued - nbytes
             link_out = (link_out if link_out > now else now) + save.nbytes / write_rate
             moved += 2 * save.nbytes  # out and back
+            n_moved += save.nbytes > 0  # a tensor saved again moves with its first save
             if window_bytes == SYNCHRONOUS:  # the save waits for its own write
                 exposed[i] += link_out - now
                 stall += link_out - now
@@ -682,6 +707,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
         + profile.backward_s
         + delay
         + moved * profile.moved_s_per_byte
+        + n_moved * profile.moved_s_per_save
     )
     if hands_heap_back(profile, choices):
         step += profile.hand_back_s
@@ -910,11 +936,12 @@ class _MoveBounds:
         self._profile = profile
         self._choices = choices
         self._per_byte = 2 * profile.moved_s_per_byte
+        self._per_save = profile.moved_s_per_save
         self._of: tuple[Outcome, int, float] | None = None
 
     def _facts(self, now: Outcome) -> tuple[int, float]:
         if self._of is None or self._of[0] is not now:
-            profile, kept, rebuild, moved = self._profile, 0, 0.0, 0
+            profile, kept, rebuild, moved, n_moved = self._profile, 0, 0.0, 0, 0
             per_op, native = profile.recorded_rebuild_s, _natively_rebuilt(profile, self._choices)
             for i, (save, choice) in enumerate(zip(profile.saves, self._choices, strict=True)):
                 if choice == "keep":
@@ -923,8 +950,11 @@ class _MoveBounds:
                     rebuild += (save.rebuild_s or 0.0) + (0.0 if i in native else per_op)
                 else:
                     moved += save.nbytes
+                    n_moved += save.nbytes > 0
             compute = profile.other_s + profile.forward_s + profile.backward_s
-            waits = now.step_s - compute - rebuild - moved * self._per_byte
+            waits = (
+                now.step_s - compute - rebuild - moved * self._per_byte - n_moved * self._per_save
+            )
             self._of = (now, profile.fixed_bytes + kept, max(waits, 0.0))
         return self._of[1], self._of[2]
 
@@ -936,7 +966,7 @@ class _MoveBounds:
         save = self._profile.saves[i]
         if choice == "rebuild":
             return save.rebuild_s or 0.0
-        return save.nbytes * self._per_byte if choice == "offload" else 0.0
+        return save.nbytes * self._per_byte + self._per_save if choice == "offload" else 0.0
 
     @cached_property
     def _replay_slack(self) -> float:
@@ -1039,6 +1069,8 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
     if best is None:
         best = lowest
     choices, outcome, window = best
+    if tuple(choices) != (chosen := tied(profile, choices)):  # NOTE [ A tensor saved twice ]
+        choices, outcome = list(chosen), simulate(profile, chosen, window)
     return Plan(
         profile=profile,
         choices=tuple(choices),
@@ -1049,6 +1081,25 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
         floor_bytes=min(floor, outcome.peak_bytes),
         exposed_s=outcome.exposed_s,
     )
+
+
+def tied(profile: Profile, choices: Sequence[Choice]) -> tuple[Choice, ...]:
+    """``choices`` with each save of a tensor saved before given that save's choice.
+
+    NOTE [ A tensor saved twice ].
+
+    Example:
+        >>> from tierstore.planner import Profile, Save, tied
+        >>> saves = (Save(64, "aten._log_softmax", "m", 0.0, 1.0),
+        ...          Save(0, "aten._log_softmax", "m", 0.0, 1.0, same_as=0))
+        >>> tied(Profile(saves, 1.0, 1.0, 0.0, 1e9, 1e9, 64), ("keep", "offload"))
+        ('keep', 'keep')
+    """
+    out = list(choices)
+    for i, save in enumerate(profile.saves):
+        if save.same_as is not None:
+            out[i] = out[save.same_as]
+    return tuple(out)
 
 
 def fits_everything(profile: Profile, budget_bytes: int) -> bool:

@@ -121,7 +121,12 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # profiled steps). Charging the moved bytes as well took every offload out
 # of the remade plans, which settled on checkpointing alone. So there a
 # plan that replays op by op charges its excess to that alone, and the
-# moved bytes pay only once a plan that records nothing runs slow.
+# moved saves pay only once a plan that records nothing runs slow: per
+# save, not per byte (Profile.moved_s_per_save). What such a plan waited on
+# was the host again, tierstore's Python around each save it moved (about
+# 1.1 ms a save there, out and back): a 0.5 MiB save costs it what a 32 MiB
+# one does, and a price per byte made the small ones look free (a third of
+# the 25 saves that plan moved were SDPA's 0.5 MiB statistics).
 
 # NOTE [ A peak above the budget ]
 # A planned step's peak is checked as its time is. One above the budget (and
@@ -400,7 +405,7 @@ RebuildTime = float | Callable[[], float] | None
 @dataclass
 class _Row:
     nbytes: int
-    again: bool  # the same entry saved again: no new bytes
+    again: int | None  # the same entry saved again: the first save's row; no new bytes
     op: str
     module: str
     saved_at: object  # the Timer's mark when forward saved it
@@ -641,6 +646,7 @@ class PlanRunner:
         self._step: _Step | None = None
         self._checks: dict[tuple[int, ...], _Checks] = {}  # NOTE [ Planned steps ]
         self._recorded_rebuild_s = 0.0  # measured (NOTE [ Replayed modules ] in planner.py)
+        self._moved_s_per_save = 0.0  # measured on CUDA (NOTE [ Charging a slow step ])
         self._warmed = False  # the store's first step warms up; the next is the profile
         self.warnings: list[str] = []  # for the caller to issue, each once
         self._warned = False
@@ -964,8 +970,8 @@ class PlanRunner:
             if isinstance(step.timer, BusyTimer):
                 step.timer.device = True
         inputs = tuple(step.row_of_key[k] for k in input_keys if k in step.row_of_key)
-        again = key in step.row_of_key
-        if not again:
+        again = step.row_of_key.get(key)
+        if again is None:
             step.row_of_key[key] = len(step.rows)
             step.saved_bytes += nbytes
             step.largest = max(step.largest, nbytes)
@@ -1110,7 +1116,7 @@ class PlanRunner:
         self._unseen = None
         saves = tuple(
             Save(
-                nbytes=0 if r.again else r.nbytes,
+                nbytes=0 if r.again is not None else r.nbytes,
                 op=r.op,
                 module=r.module,
                 forward_s=seconds(r.saved_at),
@@ -1120,6 +1126,7 @@ class PlanRunner:
                 made_in=r.made_in,
                 compiled=r.module in step.compiled_in,
                 root=r.root,
+                same_as=r.again,
             )
             for r in rows
         )
@@ -1166,6 +1173,7 @@ class PlanRunner:
             shared_link=not step.cuda,
             # What a planned step measured (NOTE [ Replayed modules ] in planner.py).
             recorded_rebuild_s=self._recorded_rebuild_s,
+            moved_s_per_save=self._moved_s_per_save,
             # NOTE [ Handing the heap back ] in tierstore/backends/host.py: the
             # pages a step that hands back uses again, as many as it saves.
             hand_back_s=0.0 if step.cuda or faults is None else faults() * saved / mmap.PAGESIZE,
@@ -1377,15 +1385,18 @@ class PlanRunner:
             excess = basis - plan.predicted_step_s
             recorded = recorded_rebuilds(profile, plan.choices)
             moved = 2 * plan.bytes_by_choice()["offload"]
-            if recorded and not profile.shared_link:
-                moved = 0
+            if not profile.shared_link:  # NOTE [ Charging a slow step ]: CUDA
+                moved = 0 if recorded else sum(c == "offload" for c in plan.choices)
             if recorded or moved:
                 if recorded:
                     self._recorded_rebuild_s = profile.recorded_rebuild_s + excess / recorded
                     profile = replace(profile, recorded_rebuild_s=self._recorded_rebuild_s)
-                if moved:
+                if moved and profile.shared_link:
                     per_byte = profile.moved_s_per_byte + excess / moved
                     profile = replace(profile, moved_s_per_byte=per_byte)
+                elif moved:
+                    self._moved_s_per_save = profile.moved_s_per_save + excess / moved
+                    profile = replace(profile, moved_s_per_save=self._moved_s_per_save)
                 return self._remake(profile)
         return self._rescaled(_scaled(profile, basis / plan.predicted_step_s))
 
