@@ -35,6 +35,7 @@ from tierstore.hooks import _Kept
 from tierstore.pipeline import LinkClock
 from tierstore.planner import (
     SYNCHRONOUS,
+    Choice,
     Plan,
     Profile,
     Save,
@@ -714,11 +715,10 @@ def test_a_dearer_link_replans_off_the_training_thread(cuda: bool) -> None:
         assert runner.plan.profile.moved_s_per_save == 0
 
 
-def test_a_step_slower_than_predicted_charges_its_op_by_op_rebuilds() -> None:
-    # NOTE [ Replayed modules ] in planner.py: a profile times ops, not the
-    # recorder's Python around each, nor the replays'; a planned step that
-    # rebuilds op by op and runs slow measures that, and the plan is made
-    # again to checkpoint whole modules instead.
+def _two_blocks_planned(
+    choices: tuple[Choice, ...], *, link: float, shared_link: bool = False
+) -> tuple[PlanRunner, Profile, Plan]:
+    """A runner on a plan of ``choices`` for two blocks of three 4 KiB gelu saves."""
     runner = PlanRunner(
         tierstore.TierConfig(activation_budget=0.5), LinkClock(), LinkClock(), lambda: 0.0
     )
@@ -728,11 +728,20 @@ def test_a_step_slower_than_predicted_charges_its_op_by_op_rebuilds() -> None:
         for b in range(2)
         for k in range(3)
     )
-    profile = Profile(saves, 0.06, 0.12, 0.0, 1e3, 1e3, 4096)
-    split = ("keep", "rebuild", "keep", "keep", "rebuild", "keep")
-    plan = replace(make_plan(profile, 4 * 4096), choices=split)
-    plan.predicted_step_s = simulate(profile, split, 4096).step_s
+    profile = Profile(saves, 0.06, 0.12, 0.0, link, link, 4096, shared_link=shared_link)
+    plan = replace(make_plan(profile, 4 * 4096), choices=choices)
+    plan.predicted_step_s = simulate(profile, choices, 4096).step_s
     runner._use((4096,) * 6, plan)
+    return runner, profile, plan
+
+
+def test_a_step_slower_than_predicted_charges_its_op_by_op_rebuilds() -> None:
+    # NOTE [ Replayed modules ] in planner.py: a profile times ops, not the
+    # recorder's Python around each, nor the replays'; a planned step that
+    # rebuilds op by op and runs slow measures that, and the plan is made
+    # again to checkpoint whole modules instead.
+    split = ("keep", "rebuild", "keep", "keep", "rebuild", "keep")
+    runner, profile, plan = _two_blocks_planned(split, link=1e3)
     assert recorded_rebuilds(profile, split) == 2
     line = runner._refit(plan.predicted_step_s + 0.2)  # far off: at once
     assert line is not None and line.startswith("tierstore: plan remade")
@@ -760,20 +769,8 @@ def test_a_slow_step_that_moves_and_records_charges_the_recorder_alone_on_cuda(
     # NOTE [ Charging a slow step ]: on a CPU both causes pay in full; on
     # CUDA, where copies are timed on their own streams, the recorder alone,
     # so the remade plan may still offload.
-    runner = PlanRunner(
-        tierstore.TierConfig(activation_budget=0.5), LinkClock(), LinkClock(), lambda: 0.0
-    )
-    runner.background = False
-    saves = tuple(
-        Save(4096, "aten.gelu", f"m.{b}", 0.01 * (3 * b + k), 0.02 * (6 - 3 * b - k), 0.01)
-        for b in range(2)
-        for k in range(3)
-    )
-    profile = Profile(saves, 0.06, 0.12, 0.0, 1e6, 1e6, 4096, shared_link=not cuda)
     mixed = ("offload", "rebuild", "keep", "offload", "rebuild", "keep")
-    plan = replace(make_plan(profile, 4 * 4096), choices=mixed)
-    plan.predicted_step_s = simulate(profile, mixed, 4096).step_s
-    runner._use((4096,) * 6, plan)
+    runner, profile, plan = _two_blocks_planned(mixed, link=1e6, shared_link=not cuda)
     assert recorded_rebuilds(profile, mixed) == 2
     line = runner._refit(plan.predicted_step_s + 0.2)  # far off: at once
     assert line is not None and line.startswith("tierstore: plan remade")
