@@ -735,6 +735,15 @@ def _two_blocks_planned(
     return runner, profile, plan
 
 
+def _remade_slower(runner: PlanRunner, plan: Plan, late: float) -> Plan:
+    """The plan ``runner`` remakes after a first step ``late`` seconds slower than ``plan``'s."""
+    line = runner._refit(plan.predicted_step_s + late)  # far off: at once
+    assert line is not None and line.startswith("tierstore: plan remade")
+    remade = runner.plan
+    assert remade is not None and remade is not plan
+    return remade
+
+
 def test_a_step_slower_than_predicted_charges_its_op_by_op_rebuilds() -> None:
     # NOTE [ Replayed modules ] in planner.py: a profile times ops, not the
     # recorder's Python around each, nor the replays'; a planned step that
@@ -743,10 +752,7 @@ def test_a_step_slower_than_predicted_charges_its_op_by_op_rebuilds() -> None:
     split = ("keep", "rebuild", "keep", "keep", "rebuild", "keep")
     runner, profile, plan = _two_blocks_planned(split, link=1e3)
     assert recorded_rebuilds(profile, split) == 2
-    line = runner._refit(plan.predicted_step_s + 0.2)  # far off: at once
-    assert line is not None and line.startswith("tierstore: plan remade")
-    remade = runner.plan
-    assert remade is not None and remade is not plan
+    remade = _remade_slower(runner, plan, 0.2)
     assert remade.profile.recorded_rebuild_s == pytest.approx(0.1)
     assert recorded_rebuilds(remade.profile, remade.choices) == 0
     assert replayed(remade.profile, remade.choices)
@@ -772,10 +778,7 @@ def test_a_slow_step_that_moves_and_records_charges_the_recorder_alone_on_cuda(
     mixed = ("offload", "rebuild", "keep", "offload", "rebuild", "keep")
     runner, profile, plan = _two_blocks_planned(mixed, link=1e6, shared_link=not cuda)
     assert recorded_rebuilds(profile, mixed) == 2
-    line = runner._refit(plan.predicted_step_s + 0.2)  # far off: at once
-    assert line is not None and line.startswith("tierstore: plan remade")
-    remade = runner.plan
-    assert remade is not None and remade is not plan
+    remade = _remade_slower(runner, plan, 0.2)
     assert remade.profile.recorded_rebuild_s == pytest.approx(0.1)
     if cuda:
         assert remade.profile.moved_s_per_byte == 0.0
