@@ -843,3 +843,23 @@ def test_each_moved_save_pays_its_host_time_once() -> None:
         moved = sum(c == "offload" and s.nbytes > 0 for c, s in zip(choices, saves, strict=True))
         base = simulate(profile, choices, 4096).step_s
         assert simulate(priced, choices, 4096).step_s == pytest.approx(base + 0.25 * moved)
+
+
+def test_a_tensor_saved_twice_across_replayed_modules_leaves_them_replayed() -> None:
+    # NOTE [ A tensor saved twice ]: blocks of Linear then Tanh, each block's
+    # input the last block's Tanh output. Checkpoint takes the saves of a
+    # block replayed natively; tying the next block's input to a rebuild
+    # would have unmade that block's replay.
+    saves = []
+    for b in range(3):
+        same = {"same_as": 2 * b - 1} if b else {}
+        saves.append(Save(0 if b else 100, "aten.tanh", f"m.{b}", 0.1 * b, 1.0, 0.01, **same))
+        saves.append(Save(100, "aten.tanh", f"m.{b}", 0.1 * b + 0.05, 0.9, 0.01))
+    profile = Profile(tuple(saves), 0.3, 1.0, 0.0, 1e9, 1e9, 1000)
+    choices = ("keep", "keep", "keep", "rebuild", "keep", "rebuild")
+    assert replayed(profile, choices) == (("m.1", 2, 4), ("m.2", 4, 6))
+    assert tied(profile, choices) == choices
+    # Where no module is replayed, the second save follows the first.
+    assert tied(profile, ("keep", "offload", "keep", "offload", "keep", "keep")) == (
+        "keep", "offload", "offload", "offload", "offload", "keep",
+    )  # fmt: skip

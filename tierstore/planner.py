@@ -269,6 +269,11 @@ def _natively_rebuilt(profile: Profile, choices: Sequence[Choice]) -> set[int]:
 # that offloaded (9.7 ms each way, nothing to hide them behind), beside a
 # plan that said it kept them. So every plan gives the second save the first
 # one's choice (tied()): kept beside it, or offloaded into the same entry.
+# Except where checkpoint takes the saves (NOTE [ Replayed modules ]): a save
+# inside a module replayed natively, or a save of a tensor made there (a
+# block's last output, saved again as the next block's input), is never
+# packed by the plan's choice; and the input of a replayed module stays kept,
+# its boundary.
 
 
 @dataclass(frozen=True)
@@ -1095,10 +1100,17 @@ def tied(profile: Profile, choices: Sequence[Choice]) -> tuple[Choice, ...]:
         >>> tied(Profile(saves, 1.0, 1.0, 0.0, 1e9, 1e9, 64), ("keep", "offload"))
         ('keep', 'keep')
     """
+    spans = replayed(profile, choices)
+    native = {j for _, first, end in spans for j in range(first + 1, end)}
+    inputs = {first for _, first, _ in spans}
     out = list(choices)
     for i, save in enumerate(profile.saves):
-        if save.same_as is not None:
-            out[i] = out[save.same_as]
+        first = save.same_as
+        if first is None or i in native or first in native:
+            continue  # checkpoint takes those saves, whatever the plan says of them
+        if i in inputs and out[first] != "keep":
+            continue  # a replayed module's input is its boundary: kept
+        out[i] = out[first]
     return tuple(out)
 
 
