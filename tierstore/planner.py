@@ -262,13 +262,15 @@ def _natively_rebuilt(profile: Profile, choices: Sequence[Choice]) -> set[int]:
 # for both, so the profile gives the second save no bytes (Save.same_as names
 # the first). A choice made for it on its own was made on nothing: keeping
 # it, offloading it, rebuilding it all cost the plan 0 bytes, and a search
-# that started from everything offloaded left it offloaded. But in a planned
-# step the first save, kept, has no entry to share, and the second then went
-# off the device in full: on an H200 GPT step the 512 MiB log-probabilities
+# may leave it offloaded beside a first save it keeps (on a synthetic
+# profile, one that starts from everything offloaded does). But in a planned
+# step the first save, kept, has no entry to share, and the second then goes
+# off the device in full. On an H200 GPT step the 512 MiB log-probabilities
 # were copied out as forward ended and back as backward began in every plan
-# that offloaded (9.7 ms each way, nothing to hide them behind), beside a
-# plan that said it kept them. So every plan gives the second save the first
-# one's choice (tied()): kept beside it, or offloaded into the same entry.
+# that offloaded (9.7 ms each way, nothing to hide them behind), launched
+# from nll_loss's save, beside a plan that said it kept them. So every plan
+# gives the second save the first one's choice (tied()): kept beside it, or
+# offloaded into the same entry.
 # Except where checkpoint takes the saves (NOTE [ Replayed modules ]): a save
 # inside a module replayed natively, or a save of a tensor made there (a
 # block's last output, saved again as the next block's input), is never
