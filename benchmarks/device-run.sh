@@ -15,7 +15,7 @@ timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_fast_path.py tes
     -k 'cuda or fast or natively or nests or device' 2>&1 | tail -15 | tee -a "$out/pytest.txt"
 timeout 420 python3 benchmarks/gpu_step.py --rows "$rows" --settle 8 --steps 8 --json "$out/gpu-step.json" \
     --profile "$profiled" --trace "$out/trace" >"$out/gpu-step.txt" 2>&1
-tail -15 "$out/gpu-step.txt"
+tail -22 "$out/gpu-step.txt"
 if [ -n "$profiled" ]; then
     python3 benchmarks/gpu_trace.py "$out"/trace-*.json 2>&1 | tee "$out/trace.txt"
     gzip -f "$out"/trace-*.json

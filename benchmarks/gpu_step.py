@@ -331,7 +331,47 @@ def main() -> int:
             f"{r['mean_s'] / r['median_s']:.2f} max/med {r['max_over_median']:.2f}  {mem}{extra}",
             flush=True,
         )
+    if base:
+        print("\n".join(_under_last_plans(rows, base)), flush=True)
     return 0
+
+
+def _under_last_plans(rows: list[dict[str, Any]], base: dict[str, Any]) -> list[str]:
+    """Each budget row's steps under its last plan alone, warm-up included.
+
+    A step counts to the plan it ran on: from the first step whose history
+    entry shows the plan had run one step, while the count goes up by one.
+    """
+    gib = 1 << 30
+    out = ["# Under each budget's last plan: its steps only, warm-up included"]
+    for r in rows:
+        history = r.get("plan_history")
+        if not history or history[-1] is None:
+            continue
+        i = len(history) - 1
+        while i > 0 and history[i - 1] is not None and history[i - 1][0] == history[i][0] - 1:
+            if history[i - 1][0] < 1:
+                break
+            i -= 1
+        steps, alloc, reserved = (
+            r[k][i:] for k in ("steps_s", "allocated_bytes", "reserved_bytes")
+        )
+        med = statistics.median(steps)
+        chosen = ""
+        if len(history[-1]) >= 6:  # runs before the history held the plan's choices: none
+            offload, rebuild, recorded = history[-1][3:6]
+            chosen = (
+                f"  offload {offload / 2**20:.0f} MiB, rebuild {rebuild / 2**20:.0f} MiB "
+                f"({recorded} op by op)"
+            )
+        out.append(
+            f"{r['row']:<12} {len(steps):2d} steps: median {med * 1e3:6.1f} ms "
+            f"{med / base['median_s']:.3f}x  max/med {max(steps) / med:.2f}  alloc "
+            f"{max(alloc) / gib:5.2f} GiB ({max(alloc) / base['peak_allocated_bytes']:.2f}x)  "
+            f"reserved {max(reserved) / gib:5.2f} GiB "
+            f"({max(reserved) / base['peak_reserved_bytes']:.2f}x){chosen}"
+        )
+    return out
 
 
 def _profile(name: str, args: argparse.Namespace, measured_step: Any, store: Any) -> None:
