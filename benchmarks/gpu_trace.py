@@ -10,7 +10,8 @@ step inside a ``gpu_step`` range. Per step this prints:
 - the compute stream's idle gaps, split by what ended them: the kernel after
   the gap was launched late (the host was behind: ``launch``), or had been
   queued and waited on an event (``wait``: a copy, as a rule);
-- the copies each way: count, bytes, busy time and the rate they ran at;
+- the copies each way: count, bytes, busy time, the rate they ran at, and
+  how many of each size;
 - host calls into the CUDA runtime that took long (synchronisations,
   pinned allocations), and the longest gaps with the host range that launched
   the kernel after each.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import bisect
 import json
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 #: A compute-stream gap shorter than this is launch overhead, not a wait.
@@ -38,6 +39,10 @@ def _union(spans: list[tuple[float, float]]) -> float:
         total += b - max(a, end)
         end = b
     return total
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:g} MiB"
 
 
 def summarize(path: str) -> str:
@@ -122,10 +127,14 @@ def summarize(path: str) -> str:
             kinds = sorted({g["name"].split(" (")[0] for g in copies})
             first = min(g["ts"] for g in copies) - t0
             last = max(g["ts"] + g["dur"] for g in copies) - t0
+            sizes = Counter(int(g["args"].get("bytes", 0)) for g in copies)
+            by_size = ", ".join(
+                f"{n} x {_mib(size)}" for size, n in sorted(sizes.items(), reverse=True)
+            )
             lines.append(
                 f"  stream {s} {'/'.join(kinds)}: {len(copies)} copies, {nbytes / 2**20:.0f} MiB, "
                 f"busy {t / 1e3:.2f} ms ({nbytes / max(t, 1e-9) / 1e3:.1f} GB/s), from "
-                f"{first / 1e3:.1f} to {last / 1e3:.1f} ms"
+                f"{first / 1e3:.1f} to {last / 1e3:.1f} ms; {by_size}"
             )
         slow: dict[str, list[float]] = defaultdict(list)
         for e in xs:
