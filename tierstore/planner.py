@@ -39,9 +39,11 @@ __all__ = [
     "hands_heap_back",
     "kept_whole",
     "make_plan",
+    "offloaded_saves",
     "recorded_rebuilds",
     "replayed",
     "simulate",
+    "tied",
 ]
 
 #: What the plan does with one saved tensor.
@@ -973,7 +975,9 @@ class _MoveBounds:
         save = self._profile.saves[i]
         if choice == "rebuild":
             return save.rebuild_s or 0.0
-        return save.nbytes * self._per_byte + self._per_save if choice == "offload" else 0.0
+        if choice != "offload":
+            return 0.0
+        return save.nbytes * self._per_byte + (self._per_save if save.nbytes else 0.0)
 
     @cached_property
     def _replay_slack(self) -> float:
@@ -1088,6 +1092,21 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
         floor_bytes=min(floor, outcome.peak_bytes),
         exposed_s=outcome.exposed_s,
     )
+
+
+def offloaded_saves(profile: Profile, choices: Sequence[Choice]) -> int:
+    """The saves ``choices`` moves off the device: a tensor saved again moves with its first.
+
+    What a moved save's host time is charged per (Profile.moved_s_per_save).
+
+    Example:
+        >>> from tierstore.planner import Profile, Save, offloaded_saves
+        >>> saves = (Save(64, "aten.mm", "m", 0.0, 1.0),
+        ...          Save(0, "aten.mm", "m", 0.0, 1.0, same_as=0))
+        >>> offloaded_saves(Profile(saves, 1.0, 1.0, 0.0, 1e9, 1e9, 64), ("offload",) * 2)
+        1
+    """
+    return sum(c == "offload" and s.nbytes > 0 for s, c in zip(profile.saves, choices, strict=True))
 
 
 def tied(profile: Profile, choices: Sequence[Choice]) -> tuple[Choice, ...]:

@@ -41,6 +41,7 @@ from tierstore.planner import (
     Save,
     fits_everything,
     make_plan,
+    offloaded_saves,
     recorded_rebuilds,
     simulate,
 )
@@ -1384,18 +1385,20 @@ class PlanRunner:
             # device with a copy engine each way: NOTE [ Charging a slow step ].
             excess = basis - plan.predicted_step_s
             recorded = recorded_rebuilds(profile, plan.choices)
-            moved = 2 * plan.bytes_by_choice()["offload"]
-            if not profile.shared_link:  # NOTE [ Charging a slow step ]: CUDA
-                moved = 0 if recorded else sum(c == "offload" for c in plan.choices)
-            if recorded or moved:
+            if profile.shared_link:  # a CPU: both in full (NOTE [ Charging a slow step ])
+                moved_bytes, moved_saves = 2 * plan.bytes_by_choice()["offload"], 0
+            else:  # CUDA: the recorder first, else each moved save
+                moved_bytes = 0
+                moved_saves = 0 if recorded else offloaded_saves(profile, plan.choices)
+            if recorded or moved_bytes or moved_saves:
                 if recorded:
                     self._recorded_rebuild_s = profile.recorded_rebuild_s + excess / recorded
                     profile = replace(profile, recorded_rebuild_s=self._recorded_rebuild_s)
-                if moved and profile.shared_link:
-                    per_byte = profile.moved_s_per_byte + excess / moved
+                if moved_bytes:
+                    per_byte = profile.moved_s_per_byte + excess / moved_bytes
                     profile = replace(profile, moved_s_per_byte=per_byte)
-                elif moved:
-                    self._moved_s_per_save = profile.moved_s_per_save + excess / moved
+                if moved_saves:
+                    self._moved_s_per_save = profile.moved_s_per_save + excess / moved_saves
                     profile = replace(profile, moved_s_per_save=self._moved_s_per_save)
                 return self._remake(profile)
         return self._rescaled(_scaled(profile, basis / plan.predicted_step_s))
