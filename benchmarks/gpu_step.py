@@ -141,8 +141,7 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 plan.steps,
                 plan.predicted_step_s,
                 plan.measured_step_s,
-                plan.bytes_by_choice()["offload"],
-                plan.bytes_by_choice()["rebuild"],
+                *(plan.bytes_by_choice()[c] for c in ("offload", "rebuild")),
                 recorded_rebuilds(plan.profile, plan.choices),
             ]
         )
@@ -349,9 +348,7 @@ def _under_last_plans(rows: list[dict[str, Any]], base: dict[str, Any]) -> list[
         if not history or history[-1] is None:
             continue
         i = len(history) - 1
-        while i > 0 and history[i - 1] is not None and history[i - 1][0] == history[i][0] - 1:
-            if history[i - 1][0] < 1:
-                break
+        while i > 0 and history[i - 1] is not None and 1 <= history[i - 1][0] == history[i][0] - 1:
             i -= 1
         steps, alloc, reserved = (
             r[k][i:] for k in ("steps_s", "allocated_bytes", "reserved_bytes")
@@ -381,20 +378,18 @@ def _profile(name: str, args: argparse.Namespace, measured_step: Any, store: Any
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
             measured_step()
-    if before is not None:
-        after = store.stats()
-        moved = {
-            k: getattr(after, k) - getattr(before, k)
-            for k in vars(after)
-            if isinstance(getattr(after, k), (int, float))
-            and not isinstance(getattr(after, k), bool)
-        }
     averages = prof.key_averages()
     print(averages.table(sort_by="self_cpu_time_total", row_limit=30), file=sys.stderr)
     print(averages.table(sort_by="self_cuda_time_total", row_limit=20), file=sys.stderr)
     if plan is not None:
         print(f"# {name}: the plan profiled\n{plan}", file=sys.stderr)
     if before is not None:
+        after = store.stats()
+        moved = {
+            k: v - getattr(before, k)
+            for k, v in vars(after).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         print(f"# {name}: stats over the two profiled steps {moved}", file=sys.stderr)
     if args.trace:
         prof.export_chrome_trace(f"{args.trace}-{name.replace('=', '-')}.json")
