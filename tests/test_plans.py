@@ -1609,3 +1609,37 @@ def test_a_tensor_saved_twice_is_profiled_as_its_first_save_and_planned_alike(
     assert (first.op, first.nbytes) == ("aten._log_softmax", 64 * 512 * 4)
     assert plan.choices[i] == plan.choices[again.same_as]  # type: ignore[index]
     store.close()
+
+
+def test_a_device_profile_prices_the_recorder_from_the_host_time_it_added() -> None:
+    # NOTE [ Pricing the recorder first ]: the device was busy 85 ms of a
+    # profiled step whose host slept 0.3 s; each of its 4 saves rebuilt op
+    # by op is first priced at the host's excess over 4.
+    device = _FakeDevice()
+    runner = _on_device(device)
+    for _ in range(2):  # warm-up, then the profile
+        began = time.perf_counter()
+        timer = runner.profile_timer()
+        device.now = 0.0
+        for key in range(4):
+            start = timer.begin()
+            device.now += 0.010
+            rebuild = functools.partial(timer.elapsed, start, timer.end())
+            runner.choose(1 << 20)
+            if runner.profiling:
+                runner.saved(
+                    key, nbytes=1 << 20, op="aten.mm", module=f"m{key}", rebuild_s=rebuild,
+                    input_keys=(), cuda=True,
+                )  # fmt: skip
+        time.sleep(0.3)  # the recorder's Python, say: host time the device never saw
+        for key in reversed(range(4)):
+            runner.used(key)
+            device.now += 0.015
+        host = time.perf_counter() - began
+        runner.step_ended(0)
+    plan = runner.plan
+    assert plan is not None
+    profile = plan.profile
+    busy = profile.forward_s + profile.backward_s
+    assert busy == pytest.approx(0.085)  # the ops, to the last use
+    assert (0.3 - busy) / 4 <= profile.recorded_rebuild_s <= (host - busy) / 4

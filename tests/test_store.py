@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,41 @@ def test_newest_stay_fastest_oldest_demoted(spill_root: Path, device: str) -> No
         assert torch.equal(mgr.get(h), t)
     del handles, h
     assert all(s.bytes == 0 and s.entries == 0 for s in mgr.stats().tiers.values())
+    mgr.close()
+
+
+@pytest.mark.requires_cuda
+def test_a_pool_full_of_blocks_on_their_way_to_disk_waits_for_the_writes(
+    spill_root: Path,
+) -> None:
+    # NOTE [ Placement ]: a 12 KiB save pushes three 4 KiB entries down to the
+    # disk; their pinned blocks stay taken until their writes land, so the
+    # pool (16 KiB + 8 KiB) has no 12 KiB for the new copy until then.
+    mgr = _manager(
+        spill_root,
+        device_budget=0,
+        host_budget=4 * 4096,
+        write_queue_bytes=2 * 4096,
+        host_pool_step=4096,
+        disk_budget="1MiB",
+    )
+    mgr._pipeline.open_backend()
+    disk = mgr._pipeline.backend_if_open
+    assert disk is not None
+    real_store = disk._store
+
+    def slow_store(*args: object) -> None:
+        time.sleep(0.2)  # the writes are still under way when the pool is asked
+        real_store(*args)
+
+    disk._store = slow_store  # type: ignore[method-assign]
+    tensors = [torch.full((KIB4,), float(i), device="cuda") for i in range(4)]
+    tensors.append(torch.full((3 * KIB4,), 4.0, device="cuda"))
+    handles = [mgr.put(t) for t in tensors]
+    mgr.flush()
+    assert _keys(mgr, "host") == [3, 4] and _keys(mgr, "disk") == [0, 1, 2]
+    for t, h in zip(tensors, handles, strict=True):
+        assert torch.equal(mgr.get(h), t)
     mgr.close()
 
 

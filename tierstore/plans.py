@@ -129,6 +129,23 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # one does, and a price per byte made the small ones look free (a third of
 # the 25 saves that plan moved were SDPA's 0.5 MiB statistics).
 
+# NOTE [ Pricing the recorder first ]
+# A device's profile times the ops on the device (NOTE [ Timing a profile ]),
+# so it holds nothing of the recorder's Python, and a first plan priced the
+# rebuilds it replays op by op at their compute alone. On an H200 a budget's
+# first plan (57 saves rebuilt op by op, 966 MiB offloaded) predicted 67.5
+# ms and ran 98 to 125 ms for nine steps, until a check charged the excess
+# and the plan remade from it checkpointed natively (73 ms). The profiled
+# step itself ran the recorder over every op: what its host added to the
+# device's busy time (282 ms of a step whose ops took about 60), per save
+# it recorded, is the first price of a save rebuilt op by op (about 1.1 ms
+# there, against the 0.7 that the check charged later). It errs dear, as it
+# also holds the host's time around every save the profiled step moved, and
+# no check lowers it: on a GPU a step that records is host-bound (NOTE [
+# Charging a slow step ]), and a plan that rebuilds natively and offloads
+# runs near its prediction from its first step. Only where the profile was
+# timed on the device; a CPU's profile times the recorder with the ops.
+
 # NOTE [ A peak above the budget ]
 # A planned step's peak is checked as its time is. One above the budget (and
 # the prediction) by more than REFIT_TOLERANCE, and by more than the largest
@@ -1160,6 +1177,9 @@ class PlanRunner:
             saves = tuple(_scaled_save(s, factor) for s in saves)  # rebuilds ran slowed too
             forward, backward = forward * factor, backward * factor
         saved = step.fixed_bytes + sum(save.nbytes for save in saves)
+        if busy and not self._recorded_rebuild_s:  # NOTE [ Pricing the recorder first ]
+            host = max(0.0, total - waits - forward - backward)
+            self._recorded_rebuild_s = host / len(rows)
         faults = self._page_fault_s
         profile = Profile(
             saves=saves,

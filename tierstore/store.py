@@ -69,6 +69,11 @@ __all__ = ["TierManager", "resting_nbytes"]
 # newest in the fastest tier is Belady's optimal eviction for a known future.
 # An entry moves only after it has landed below: if the disk refuses it, it
 # stays where it was and the save that needed the room raises TierFullError.
+# On CUDA an entry moved from the host tier to the disk keeps its block of
+# the pinned pool until its write lands, so the pool (host_budget plus
+# write_queue_bytes) can be full while the host tier has room: the save that
+# made the room then waits for those writes rather than refuse (an H200
+# step whose 1 GiB saves pushed the tier down raised TierFullError here).
 
 # NOTE [ CPU tensors skip the host tier ]
 # For a tensor on the CPU, the host tier is the same RAM it already sits in:
@@ -806,7 +811,16 @@ class TierManager:
     def _hold(self, entry: Entry, tier: Tier) -> None:
         if tier == "host" and entry.layout is None:
             span, layout = entry.span()
-            self._transfers.to_host(entry, span)
+            try:
+                self._transfers.to_host(entry, span)
+            except TierFullError:
+                if not self._writes:
+                    raise
+                # NOTE [ Placement ]: the entries just moved down hold their
+                # pool blocks until their writes land. Wait for those, then
+                # ask again; only a pool full of live entries refuses.
+                self._writes.wait_all_locked()
+                self._transfers.to_host(entry, span)
             self._laid_out(entry, layout, tier, span.element_size())
         entry.tier = tier
         self._tiers[tier].add(entry, entry.nbytes)
