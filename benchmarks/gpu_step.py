@@ -21,6 +21,7 @@ the hooks run); ``budget=F`` (``activation_budget=F``); ``device=SIZE``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -218,6 +219,10 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
                     "read_bytes_per_s": profile.read_bytes_per_s,
                 },
                 "table": str(plan),
+                "choices": list(plan.choices),
+                # The whole profile, for the planner offline:
+                # tierstore.planner.Profile(**{**p, "saves": tuple(Save(**s) ...)}).
+                "profile_all": dataclasses.asdict(profile),
             }
         s = store.stats()
         out["stats"] = {
