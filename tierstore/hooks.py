@@ -1423,7 +1423,7 @@ class TierStore:
     # NOTE [ Hooks and Dynamo ]; a save that stays takes the first return
     # (NOTE [ Saves that stay ] in store.py).
     @_never_traced
-    def _pack(self, t: torch.Tensor) -> Handle | _Kept | Recipe:
+    def _pack(self, t: torch.Tensor) -> Handle | _Kept | tuple[torch.Tensor, int] | Recipe:
         tier = _local.tier
         if tier is None:
             nbytes = _sized(t, self._min_bytes)
@@ -1431,6 +1431,8 @@ class TierStore:
                 runner = self._runner
                 if runner is None:
                     if self._manager.stays(nbytes):
+                        if _local.region_recorder is None and not _local.recompute:
+                            return (t.detach(), t._version)  # unpack's shortest way
                         return _kept(t)
                     nbytes = _unusual(t) or nbytes
                     if type(nbytes) is int:
@@ -1521,8 +1523,13 @@ class TierStore:
         return handle
 
     @_never_traced
-    def _unpack(self, packed: Handle | _Kept | Recipe) -> torch.Tensor:
+    def _unpack(self, packed: Handle | _Kept | tuple[torch.Tensor, int] | Recipe) -> torch.Tensor:
         self._unpacks += 1  # NOTE [ Step log ]; a lost update under threads only delays a line
+        if isinstance(packed, tuple):  # device_budget's, no recorder: NOTE [ Saves that stay ]
+            t, version = packed
+            if t._version != version:
+                raise modified_in_place(tuple(t.shape), t.dtype, t._version, version)
+            return t
         runner = self._runner
         if isinstance(packed, _Kept):  # the short way (NOTE [ Saves that stay ] in store.py)
             if runner is not None:  # a plan-kept save leaves the peak at its first use

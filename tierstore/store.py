@@ -142,13 +142,15 @@ __all__ = ["TierManager", "resting_nbytes"]
 # save that stays where autograd made it must cost next to nothing: the
 # filters' and keep()'s saves, those a plan keeps, and those device_budget
 # holds. Each costs a decision, a count and, at unpack, the version check on
-# the kept alias. device_budget's and the filters' counts are taken under a
-# lock of their own (never the manager's lock, which drains releases,
-# settles copies and harvests writes); a plan's are not taken save by save
-# at all: every save of a step before it left its plan took the plan's
-# choice, so the runner reads them off the plan (PlanRunner.kept); in a
-# module the plan keeps whole, no hook runs at all (NOTE [ Modules kept
-# whole ] in hooks.py). No entry, handle,
+# the kept alias (device_budget's, where no recorder runs, is a bare pair of
+# alias and version: a tuple is built in C, a _Kept in Python).
+# device_budget's and the filters' counts are taken under a lock of their
+# own (never the manager's lock, which drains releases, settles copies and
+# harvests writes); a plan's are not taken save by save at all: every save
+# of a step before it left its plan took the plan's choice, so the runner
+# reads them off the plan (PlanRunner.kept); in a module the plan keeps
+# whole, no hook runs at all (NOTE [ Modules kept whole ] in hooks.py). No
+# entry, handle,
 # finalizer, dedupe key or schedule slot: autograd holds the tensor itself,
 # so it lives exactly as long as eager autograd would keep it, and nothing
 # needs releasing. What that skips is safe to skip:
