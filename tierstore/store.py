@@ -150,10 +150,9 @@ __all__ = ["TierManager", "resting_nbytes"]
 # of a step before it left its plan took the plan's choice, so the runner
 # reads them off the plan (PlanRunner.kept); in a module the plan keeps
 # whole, no hook runs at all (NOTE [ Modules kept whole ] in hooks.py). No
-# entry, handle,
-# finalizer, dedupe key or schedule slot: autograd holds the tensor itself,
-# so it lives exactly as long as eager autograd would keep it, and nothing
-# needs releasing. What that skips is safe to skip:
+# entry, handle, finalizer, dedupe key or schedule slot: autograd holds the
+# tensor itself, so it lives exactly as long as eager autograd would keep
+# it, and nothing needs releasing. What that skips is safe to skip:
 #   * placement: an entry without one can never be demoted. So device_budget
 #     keeps saves this way only in a step whose predecessor's offloadable
 #     saves all fitted it (then Belady's rule demotes nothing), and only up
