@@ -123,11 +123,18 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # of the remade plans, which settled on checkpointing alone. So there a
 # plan that replays op by op charges its excess to that alone, and the
 # moved saves pay only once a plan that records nothing runs slow: per
-# save, not per byte (Profile.moved_s_per_save). What such a plan waited on
-# was the host again, tierstore's Python around each save it moved (about
-# 1.1 ms a save there, out and back): a 0.5 MiB save costs it what a 32 MiB
-# one does, and a price per byte made the small ones look free (a third of
-# the 25 saves that plan moved were SDPA's 0.5 MiB statistics).
+# save, not per byte (Profile.moved_s_per_save): the host's time around a
+# moved save is the same for SDPA's 0.5 MiB statistics as for a 32 MiB
+# activation, and a price per byte made the small ones look free (a third
+# of the 25 saves one such plan moved). That plan ran 29 ms over its
+# prediction, which read as 1.1 ms of host time a save; most of it was the
+# loss's 512 MiB log-probabilities going out and back unplanned (NOTE [ A
+# tensor saved twice ] in planner.py). With that fixed, on an H200, a plan
+# that offloads 484 MiB in 24 saves and checkpoints four blocks natively
+# ran within 2% of its prediction, with no charge (another, 774 MiB in 36
+# saves and one block, ran at its prediction for five steps, then 10-15%
+# over it, unexplained); benchmarks/gpu_host.py times a moved save's host
+# cost alone at 0.17-0.20 ms out and back.
 
 # NOTE [ Pricing the recorder first ]
 # A device's profile times the ops on the device (NOTE [ Timing a profile ]),
@@ -137,14 +144,17 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # ms and ran 98 to 125 ms for nine steps, until a check charged the excess
 # and the plan remade from it checkpointed natively (73 ms). The profiled
 # step itself ran the recorder over every op: what its host added to the
-# device's busy time (282 ms of a step whose ops took about 60), per save
-# it recorded, is the first price of a save rebuilt op by op (about 1.1 ms
-# there, against the 0.7 that the check charged later). It errs dear, as it
-# also holds the host's time around every save the profiled step moved, and
-# no check lowers it: on a GPU a step that records is host-bound (NOTE [
-# Charging a slow step ]), and a plan that rebuilds natively and offloads
-# runs near its prediction from its first step. Only where the profile was
-# timed on the device; a CPU's profile times the recorder with the ops.
+# device's busy time, per save it recorded, is the first price of a save
+# rebuilt op by op. It errs dear, and no check lowers it: it also holds the
+# host's time around every save the profiled step moved and, on a first
+# profile, the pinning of the host pool (an H200's profiled step took 3.5
+# to 5 s, which priced a save rebuilt op by op at 26 to 30 ms, against the
+# 0.7 ms a check charged once a plan ran). On a GPU a step that records is
+# host-bound (NOTE [ Charging a slow step ]), and the first plans made so
+# on an H200, which checkpoint natively and offload, were the plans each
+# budget kept: at 0.68 and 0.52 within 3% of their predictions. Only where
+# the profile was timed on the device; a CPU's profile times the recorder
+# with the ops.
 
 # NOTE [ A peak above the budget ]
 # A planned step's peak is checked as its time is. One above the budget (and
