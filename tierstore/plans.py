@@ -145,11 +145,12 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # and the plan remade from it checkpointed natively (73 ms). The profiled
 # step itself ran the recorder over every op: what its host added to the
 # device's busy time, per save it recorded, is the first price of a save
-# rebuilt op by op. It errs dear, and no check lowers it: it also holds the
-# host's time around every save the profiled step moved and, on a first
-# profile, the pinning of the host pool (an H200's profiled step took 3.5
-# to 5 s, which priced a save rebuilt op by op at 26 to 30 ms, against the
-# 0.7 ms a check charged once a plan ran). On a GPU a step that records is
+# rebuilt op by op. It errs dear, and no check lowers it: it holds all the
+# profiled step's time beyond its ops, the host's time around every save
+# the step moved included (an H200's profiled steps took 3.7 to 5.0 s,
+# which priced a save rebuilt op by op at 24 to 33 ms, against the 0.7 ms a
+# check charged once a plan ran; offline, on those profiles, a price of 1.5
+# ms makes the same plans). On a GPU a step that records is
 # host-bound (NOTE [ Charging a slow step ]), and the first plans made so
 # on an H200, which checkpoint natively and offload, were the plans each
 # budget kept: at 0.68 and 0.52 within 3% of their predictions. Only where
