@@ -47,6 +47,7 @@ from tierstore.recompute import (
     RecomputeSetting,
     Recorder,
     everything,
+    never_traced,
     policy_of,
     shared_fetch,
 )
@@ -416,39 +417,6 @@ def _unusual(t: torch.Tensor) -> Placement | None:
     return None
 
 
-# NOTE [ Hooks and Dynamo ]
-# Dynamo must never trace the hooks (locks, threads, file I/O). It would:
-# eager code that runs while its frame callback is active (module.compile()
-# on a module it does not capture) calls them as new frames, and compiled
-# autograd calls the unpack hook from its graph. torch.compiler.disable's
-# wrapper costs microseconds a call (it swaps the frame callback out and
-# back), which is most of what a save that stays may cost (NOTE [ Saves
-# that stay ] in store.py). So each hook's code object is marked for Dynamo
-# to skip, itself and every frame it calls (the frame-evaluation hook reads
-# the mark in C, and only while a callback is set), and the function carries
-# the attribute by which Dynamo, tracing a graph that calls it, calls it
-# rather than inlining it: no wrapper, nothing to pay in eager. A torch
-# without those marks gets the disabled wrapper.
-
-_eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-
-_HookT = TypeVar("_HookT", bound=Callable[..., Any])
-
-
-def _never_traced(fn: _HookT) -> _HookT:
-    """``fn`` as a hook Dynamo never traces, at no cost in eager (NOTE [ Hooks and Dynamo ])."""
-    mark = getattr(_eval_frame, "set_code_exec_strategy", None)
-    strategy = getattr(_eval_frame, "_FrameExecStrategy", None)
-    action = getattr(_eval_frame, "_FrameAction", None)
-    if mark is None or strategy is None or action is None:
-        return torch._compile._disable_dynamo(fn)  # type: ignore[return-value]
-    mark(fn.__code__, strategy(action.SKIP, action.SKIP))
-    # What Dynamo reads when it meets the hook while tracing a graph (compiled
-    # autograd's backward): call it as it is, never inline it.
-    fn._torchdynamo_disable = True  # type: ignore[attr-defined]
-    return fn
-
-
 def _checked(config: object, where: str) -> TierConfig | None:
     if config is None or isinstance(config, TierConfig):
         return config
@@ -643,7 +611,7 @@ class _Regions:
                 module.register_forward_hook(self._leave, always_call=True),
             ]
 
-    @_never_traced
+    @never_traced
     def _replay(
         self, first: int, end: int, module: torch.nn.Module, args: Any, kwargs: Any = None
     ) -> None:
@@ -670,13 +638,13 @@ class _Regions:
             return
         self._replays().append((module, checkpointing))
 
-    @_never_traced
+    @never_traced
     def _replayed(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         replays = self._replays()
         if replays and replays[-1][0] is module:
             next(replays.pop()[1], None)
 
-    @_never_traced
+    @never_traced
     def _keep(
         self,
         span: tuple[Plan, int, int, tuple[tuple[str, int, int], ...]],
@@ -716,7 +684,7 @@ class _Regions:
             return
         self._kept_stack().append((module, top))
 
-    @_never_traced
+    @never_traced
     def _kept(self, nbytes: int | None, module: torch.nn.Module, args: Any, output: Any) -> None:
         """A module kept whole ended: the store's hooks back, and its backward watched for.
 
@@ -788,7 +756,7 @@ class _Regions:
         """A new recorder for a planned block: what it notes lasts the block, across regions."""
         return Recorder(self._policy, self._stays, max_depth=MAX_PLANNED_DEPTH)
 
-    @_never_traced
+    @never_traced
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         recorder = _local.region_recorder
         if _local.regions is not self or recorder is None or _tracing():
@@ -800,7 +768,7 @@ class _Regions:
         self._stack().append((module, pushed, _local.recompute))
         _local.recompute = True
 
-    @_never_traced
+    @never_traced
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         # Not "is this store's block open": a block may close first, as
         # offload_module's own forward hook on the same module does.
@@ -826,7 +794,7 @@ def _node_of(output: Any) -> Any:
     )
 
 
-@_never_traced
+@never_traced
 def _reached(used: KeptUsed, nbytes: list[int], grad_outputs: Any) -> None:
     """Backward reached a module kept whole: its bytes used, once (NOTE [ Modules kept whole ])."""
     if nbytes[0] >= 0:
@@ -1420,9 +1388,9 @@ class TierStore:
 
     # -- hooks ---------------------------------------------------------------
 
-    # NOTE [ Hooks and Dynamo ]; a save that stays takes the first return
+    # NOTE [ Hooks and Dynamo ] in recompute.py; a save that stays takes the first return
     # (NOTE [ Saves that stay ] in store.py).
-    @_never_traced
+    @never_traced
     def _pack(self, t: torch.Tensor) -> Handle | _Kept | tuple[torch.Tensor, int] | Recipe:
         tier = _local.tier
         if tier is None:
@@ -1522,7 +1490,7 @@ class TierStore:
             )
         return handle
 
-    @_never_traced
+    @never_traced
     def _unpack(self, packed: Handle | _Kept | tuple[torch.Tensor, int] | Recipe) -> torch.Tensor:
         self._unpacks += 1  # NOTE [ Step log ]; a lost update under threads only delays a line
         if isinstance(packed, tuple):  # device_budget's, no recorder: NOTE [ Saves that stay ]
@@ -1733,14 +1701,14 @@ class _OffloadModule:
             stack = self._blocks.stack = []
         return stack
 
-    @_never_traced
+    @never_traced
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         stack = self._stack()
         stack.append(None)
         if not _local.replaying:  # NOTE [ Replayed modules ] in planner.py
             stack[-1] = self.store._open_block()
 
-    @_never_traced
+    @never_traced
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         stack = self._stack()
         block = stack.pop() if stack else None

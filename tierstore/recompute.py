@@ -24,10 +24,11 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -36,7 +37,52 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 from tierstore.errors import ConfigError, TierstoreError, modified_in_place
 from tierstore.handle import Saved
 
-__all__ = ["CHEAP_OPS", "Policy", "Recipe", "Recorder", "cheap", "everything"]
+__all__ = ["CHEAP_OPS", "Policy", "Recipe", "Recorder", "cheap", "everything", "never_traced"]
+
+# NOTE [ Hooks and Dynamo ]
+# Dynamo must never trace the hooks (locks, threads, file I/O) nor the
+# recorder's dispatch. It would: eager code that runs while its frame
+# callback is active (module.compile() on a module it does not capture)
+# calls them as new frames, and compiled autograd calls the unpack hook from
+# its graph. torch.compiler.disable's wrapper costs microseconds a call (it
+# swaps the frame callback out and back), which is most of what a save that
+# stays may cost (NOTE [ Saves that stay ] in store.py), and torch 2.13 puts
+# one around every TorchDispatchMode's __torch_dispatch__: 2.5 us of the
+# recorder's 16 us an op on a 2-vCPU VM. So each hook's code object, and
+# the recorder's dispatch's, is marked for Dynamo to skip, itself and every
+# frame it calls (the frame-evaluation hook reads the mark in C, and only
+# while a callback is set), and the function carries the attribute by which
+# Dynamo, tracing a graph that calls it, calls it rather than inlining it:
+# no wrapper, nothing to pay in eager. A torch without those marks gets the
+# disabled wrapper.
+
+_eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+
+_HookT = TypeVar("_HookT", bound=Callable[..., Any])
+
+
+def never_traced(fn: _HookT) -> _HookT:
+    """``fn``, which Dynamo never traces, at no cost in eager (NOTE [ Hooks and Dynamo ]).
+
+    Example:
+        >>> from tierstore.recompute import never_traced
+        >>> @never_traced
+        ... def pack(t):
+        ...     return t
+        >>> pack(1)
+        1
+    """
+    mark = getattr(_eval_frame, "set_code_exec_strategy", None)
+    strategy = getattr(_eval_frame, "_FrameExecStrategy", None)
+    action = getattr(_eval_frame, "_FrameAction", None)
+    if mark is None or strategy is None or action is None:
+        return torch._compile._disable_dynamo(fn)  # type: ignore[return-value]
+    mark(fn.__code__, strategy(action.SKIP, action.SKIP))
+    # What Dynamo reads when it meets the function while tracing a graph
+    # (compiled autograd's backward): call it as it is, never inline it.
+    fn._torchdynamo_disable = True  # type: ignore[attr-defined]
+    return fn
+
 
 # NOTE [ Recompute ]
 # A large share of what a decoder saves for backward is the output of a cheap
@@ -786,6 +832,13 @@ class Recorder(TorchDispatchMode):
         if node is None:
             return None
         return Recipe(node, made[2], t, nbytes, made[1].depth)
+
+
+# NOTE [ Hooks and Dynamo ]: the dispatch as written, without the wrapper
+# TorchDispatchMode's subclass hook puts around it (where the torch has one).
+Recorder.__torch_dispatch__ = never_traced(  # type: ignore[method-assign]
+    inspect.unwrap(Recorder.__dict__["__torch_dispatch__"])
+)
 
 
 RecomputeSetting = Literal["off", "cheap"] | Policy
