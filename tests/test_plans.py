@@ -1643,3 +1643,29 @@ def test_a_device_profile_prices_the_recorder_from_the_host_time_it_added() -> N
     busy = profile.forward_s + profile.backward_s
     assert busy == pytest.approx(0.085)  # the ops, to the last use
     assert (0.3 - busy) / 4 <= profile.recorded_rebuild_s <= (host - busy) / 4
+
+
+def test_a_planned_backward_reads_ahead_by_its_plans_window(
+    budget_store: Callable[..., tierstore.TierStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ In-flight sizing ]: the limit a step learns shrinks while nothing
+    # waits; a planned step's reads ahead keep to the window its plan sized.
+    store = budget_store(0.25)
+    _run(store, 6)  # the warm-up, the profile and the first plan's steps
+    plan = store.plan()
+    assert plan is not None and plan.bytes_by_choice()["offload"] > 0
+    reads = store._manager._reads
+    reads.limit._min_bytes = reads.limit.bytes = 4096  # learnt down to a floor below the window
+    assert reads.limit.bytes < plan.window_bytes <= reads.limit.cap_bytes
+    allowed: list[int] = []
+    real_top_up = reads.top_up
+
+    def spy() -> None:
+        allowed.append(reads.limit.allowed)
+        real_top_up()
+
+    monkeypatch.setattr(reads, "top_up", spy)
+    grads = _run(store, 1)
+    assert store.plan() is plan and plan.steps >= 2  # a planned step, on this plan
+    assert allowed and set(allowed) == {plan.window_bytes}
+    _same(grads, _run(None, 1))

@@ -495,7 +495,9 @@ class TierManager:
             self._schedule.unpacked(entry.key)
             if first and self.plans is not None:  # NOTE [ Planned steps ]
                 held = self._writes.queued_bytes + self._tiers["device"].bytes
-                self._reads.limit.hold_to(self.plans.read_ahead_bytes(held))
+                # NOTE [ In-flight sizing ] in sizing.py: a plan's window exactly
+                ahead = self.plans.read_ahead_bytes(held)
+                self._reads.limit.hold_to(ahead, exact=self.plans.planned)
             got = self._fetch(entry, first)
             if self.plans is not None:  # with this entry taken and the reads topped up
                 self._note_resident()
