@@ -87,7 +87,7 @@ def _stayed(packed: object) -> torch.Tensor | None:
     """The alias a save that stayed holds (NOTE [ Saves that stay ]); None for any other."""
     if type(packed) is _Kept:
         return packed.tensor
-    if type(packed) is tuple:  # device_budget's, outside a recorder
+    if type(packed) is tuple:  # outside a recorder, no plan's peak
         return packed[0]
     return None
 

@@ -970,7 +970,7 @@ def _spy_packs(store: tierstore.TierStore) -> list[Any]:
 
     def spy(t: torch.Tensor) -> Any:
         out = original(t)
-        if not (type(out) is _Kept and not out.planned):
+        if not (type(out) is tuple or (type(out) is _Kept and not out.planned)):
             seen.append(out)
         return out
 

@@ -335,9 +335,16 @@ class _Kept:
         self.planned = planned
 
 
-def _kept(t: torch.Tensor, planned: int = 0) -> _Kept:
-    """``t`` kept as it is; told to the thread's recorder if one runs (its detach not recorded)."""
+def _kept(t: torch.Tensor, planned: int = 0) -> _Kept | tuple[torch.Tensor, int]:
+    """``t`` kept as it is; told to the thread's recorder if one runs (its detach not recorded).
+
+    With no recorder and nothing for a plan's peak, a bare (alias, version)
+    pair: a tuple is built in C, a _Kept in Python (NOTE [ Saves that stay ]
+    in store.py).
+    """
     if _local.region_recorder is None and not _local.recompute:  # no recorder: the usual way
+        if not planned:
+            return (t.detach(), t._version)
         return _Kept(t.detach(), t._version, planned)
     kept = _Kept(_unrecorded(t.detach), t._version, planned)
     recorder = _local.recorder if _local.recompute else _local.region_recorder
@@ -1399,8 +1406,6 @@ class TierStore:
                 runner = self._runner
                 if runner is None:
                     if self._manager.stays(nbytes):
-                        if _local.region_recorder is None and not _local.recompute:
-                            return (t.detach(), t._version)  # unpack's shortest way
                         return _kept(t)
                     nbytes = _unusual(t) or nbytes
                     if type(nbytes) is int:
@@ -1493,7 +1498,7 @@ class TierStore:
     @never_traced
     def _unpack(self, packed: Handle | _Kept | tuple[torch.Tensor, int] | Recipe) -> torch.Tensor:
         self._unpacks += 1  # NOTE [ Step log ]; a lost update under threads only delays a line
-        if isinstance(packed, tuple):  # device_budget's, no recorder: NOTE [ Saves that stay ]
+        if isinstance(packed, tuple):  # no recorder, no plan's peak: NOTE [ Saves that stay ]
             t, version = packed
             if t._version != version:
                 raise modified_in_place(tuple(t.shape), t.dtype, t._version, version)

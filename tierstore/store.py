@@ -142,8 +142,8 @@ __all__ = ["TierManager", "resting_nbytes"]
 # save that stays where autograd made it must cost next to nothing: the
 # filters' and keep()'s saves, those a plan keeps, and those device_budget
 # holds. Each costs a decision, a count and, at unpack, the version check on
-# the kept alias (device_budget's, where no recorder runs, is a bare pair of
-# alias and version: a tuple is built in C, a _Kept in Python).
+# the kept alias (where no recorder runs and no plan counts it, a bare pair
+# of alias and version: a tuple is built in C, a _Kept in Python).
 # device_budget's and the filters' counts are taken under a lock of their
 # own (never the manager's lock, which drains releases, settles copies and
 # harvests writes); a plan's are not taken save by save at all: every save
