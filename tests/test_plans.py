@@ -1642,7 +1642,9 @@ def test_a_device_profile_prices_the_recorder_from_the_host_time_it_added() -> N
     profile = plan.profile
     busy = profile.forward_s + profile.backward_s
     assert busy == pytest.approx(0.085)  # the ops, to the last use
-    assert (0.3 - busy) / 4 <= profile.recorded_rebuild_s <= (host - busy) / 4
+    assert profile.recorded_rebuild_s >= (0.3 - busy) / 4
+    # The runner's step begins a moment before this test's clock starts.
+    assert profile.recorded_rebuild_s == pytest.approx((host - busy) / 4, abs=1e-3)
 
 
 def test_a_planned_backward_reads_ahead_by_its_plans_window(
