@@ -22,6 +22,7 @@ from tierstore.planner import (
     _MoveBounds,
     _size,
     floor_bytes,
+    from_graph,
     hands_heap_back,
     make_plan,
     recorded_rebuilds,
@@ -731,6 +732,27 @@ def _blocks(n: int, per: int, *, recorded: float, link: float = 1e3) -> Profile:
     )
     return Profile(saves, 0.001 * n * per, 0.002 * n * per, 0.0, link, link, 1000,
                    recorded_rebuild_s=recorded)  # fmt: skip
+
+
+def test_a_rebuild_from_the_graph_costs_its_compute_alone_and_only_from_kept_inputs() -> None:
+    # NOTE [ Rebuilt from the graph ] in recompute.py: no recorder runs for
+    # it, so no recorder's charge; but only with every input kept, for the
+    # node holds the inputs as the hook packed them.
+    p = _blocks(2, 3, recorded=0.5)
+    graph = dataclasses.replace(p.saves[2], inputs=(1,), graph=True)
+    q = dataclasses.replace(p, saves=(*p.saves[:2], graph, *p.saves[3:]))
+    kept_input = ("keep", "keep", "rebuild") + ("keep",) * 3
+    assert from_graph(q, kept_input) == {2} and recorded_rebuilds(q, kept_input) == 0
+    assert simulate(q, kept_input, q.window_bytes).step_s == pytest.approx(
+        simulate(p, ("keep",) * 6, p.window_bytes).step_s + 0.001
+    )
+    # Its input stored: the recorder rebuilds it, at the recorder's charge.
+    stored_input = ("keep", "offload", "rebuild") + ("keep",) * 3
+    assert from_graph(q, stored_input) == set() and recorded_rebuilds(q, stored_input) == 1
+    assert simulate(q, stored_input, q.window_bytes).step_s > 0.5
+    # And it does not stop the recorder-free checkpointing of another module.
+    both = (*kept_input[:3], "keep", "rebuild", "rebuild")
+    assert replayed(q, both) == (("m.1", 3, 6),) and recorded_rebuilds(q, both) == 0
 
 
 def test_replayed_modules_are_those_rebuilt_whole_from_a_kept_input() -> None:

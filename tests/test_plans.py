@@ -1520,6 +1520,91 @@ def test_a_plan_that_rebuilds_whole_blocks_checkpoints_them_natively(
     store.close()
 
 
+def _rebuilding_from_the_graph(profile: Profile, budget: int) -> Plan:
+    """make_plan, but the plan rebuilds what the graph can (GELU's outputs) and keeps the rest."""
+    choices: list[Any] = ["keep"] * len(profile.saves)
+    for i in profile.graph_saves:
+        choices[i] = "rebuild"
+    return replace(make_plan(profile, budget), choices=tuple(choices))
+
+
+def test_a_plan_rebuilds_gelus_outputs_from_the_graph_with_no_recorder(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ Rebuilt from the graph ] in recompute.py: the planned step records
+    # no op, packs a recipe for each GELU output the next Linear saves, and
+    # its gradients are eager's, bitwise, dropout and all.
+    store = tierstore.TierStore(
+        tierstore.TierConfig(activation_budget=0.6, min_offload_bytes=0, disk_path=spill_root)
+    )
+    assert store._runner is not None
+    store._runner.background = False
+    monkeypatch.setattr(plans, "make_plan", _rebuilding_from_the_graph)
+    calls: list[str] = []
+    original = Recorder.__torch_dispatch__
+
+    def counting(self: Recorder, func: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(func._overloadpacket.__name__)
+        return original(self, func, *args, **kwargs)
+
+    model = _model()
+    eager = [_step(model, step) for step in range(5)]
+    for step in range(5):
+        if step == 3:
+            monkeypatch.setattr(Recorder, "__torch_dispatch__", counting)
+            seen = _spy_packs(store)
+            before = store.stats()
+        with store.offload():
+            grads = _step(model, step)
+        _same([grads], [eager[step]])
+        if step == 3:
+            after, packed = store.stats(), seen[:]
+            monkeypatch.setattr(Recorder, "__torch_dispatch__", original)
+    plan = store.plan()
+    assert plan is not None
+    saves = plan.profile.saves
+    graph = [i for i, s in enumerate(saves) if s.graph]
+    # One a block: the 4d-wide GELU output, saved by the Linear after it.
+    # Not the attention weights after dropout (on a CPU, their product with
+    # the mask, whose node holds the mask alone: the mask needs no gradient).
+    assert len(graph) == CONFIG.layers
+    width = 4 * (CONFIG.seq - 1) * 4 * CONFIG.d_model  # batch 4, the tokens but the last
+    assert all(saves[i].nbytes == 4 * width and saves[i].op == "aten.view" for i in graph)
+    assert planner.from_graph(plan.profile, plan.choices) == set(graph)
+    assert recorded_rebuilds(plan.profile, plan.choices) == 0
+    assert not store._regions.records and calls == []  # nothing recorded
+    assert [type(p) is Recipe for p in packed] == [c == "rebuild" for c in plan.choices]
+    assert after.recomputed - before.recomputed == len(graph)
+    assert after.recomputed_bytes - before.recomputed_bytes == sum(saves[i].nbytes for i in graph)
+    store.close()
+
+
+def test_a_recipe_from_the_graph_raises_on_an_input_changed_in_place(spill_root: Path) -> None:
+    # Eager autograd raises on a saved tensor changed in place; so does a
+    # rebuild that would read it, before any wrong gradient.
+    from tierstore.recompute import graph_recipe
+
+    x = torch.randn(8, 8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: (t.detach(), t._version), lambda p: p[0]
+    ):
+        h = x * 1.0
+        y = torch.nn.functional.gelu(h)
+    recipe = graph_recipe(y.view(64), 256, lambda p: p if type(p) is tuple else None)
+    assert recipe is not None
+    assert torch.equal(recipe.rebuild(lambda *a: None), y.view(64))
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(tierstore.TierstoreError, match="modified in place after forward used it"):
+        recipe.rebuild(lambda *a: None)
+    # Not one for a tensor changed in place since its op made it, nor one
+    # whose input left the device.
+    with torch.no_grad():
+        y.mul_(2)
+    assert graph_recipe(y, 256, lambda p: p if type(p) is tuple else None) is None
+    assert graph_recipe(torch.nn.functional.gelu(h), 256, lambda p: None) is None
+
+
 def test_a_plan_that_keeps_everything_never_hands_the_heap_back(
     budget_store: Callable[..., tierstore.TierStore],
 ) -> None:

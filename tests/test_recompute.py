@@ -863,3 +863,40 @@ def test_an_event_timed_op_is_read_when_asked_not_when_recorded() -> None:
     assert events and not any(e.waited for e in events)
     start, end = events[-2:]  # sin's span
     assert cost() == pytest.approx(1e-3 * (end.ms - start.ms)) and end.waited
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recipes_from_the_graph_rebuild_gelu_silu_and_swiglu_bitwise(
+    device: str, dtype: torch.dtype
+) -> None:
+    # NOTE [ Rebuilt from the graph ]: the saved views the Linears after them
+    # save, rebuilt from the inputs their nodes hold, are the tensors forward made.
+    torch.manual_seed(0)
+    up, gate = (torch.nn.Linear(32, 64, device=device, dtype=dtype) for _ in range(2))
+    x = torch.randn(4, 8, 32, device=device, dtype=dtype, requires_grad=True)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        saved.append(t)
+        return t.detach(), t._version
+
+    w = torch.randn(64, 4, device=device, dtype=dtype, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p[0]):
+        g = F.gelu(up(x), approximate="tanh")
+        h = F.silu(gate(x)) * up(x)  # SwiGLU
+        loss = (g @ w).sum() + (h @ w).sum()
+    ops = []
+    for t in saved:
+        recipe = recompute.graph_recipe(t, t.numel() * t.element_size(), lambda p: p)
+        if recipe is None:
+            continue
+        ops.append(recompute.graph_op(t).name())
+        rebuilt = recipe.rebuild(lambda *a: None)
+        assert torch.equal(rebuilt, t) and rebuilt.stride() == t.stride()
+    # SiLU's output the product saves; GELU's output and the product, the matmuls.
+    assert ops == ["SiluBackward0", "GeluBackward0", "MulBackward0"]
+    del loss

@@ -40,13 +40,15 @@ from torch.autograd.graph import saved_tensors_hooks
 from tierstore.config import TierConfig, load_config, with_overrides
 from tierstore.errors import ConfigError, TierstoreWarning, modified_in_place
 from tierstore.handle import Handle
-from tierstore.planner import Choice, Plan, kept_whole, replayed
+from tierstore.planner import Choice, Plan, from_graph, kept_whole, replayed
 from tierstore.recompute import (
     Policy,
     Recipe,
     RecomputeSetting,
     Recorder,
     everything,
+    graph_op,
+    graph_recipe,
     never_traced,
     policy_of,
     shared_fetch,
@@ -353,6 +355,15 @@ def _kept(t: torch.Tensor, planned: int = 0) -> _Kept | tuple[torch.Tensor, int]
     return kept
 
 
+def _held(packed: object) -> tuple[torch.Tensor, int] | None:
+    """The tensor and version a packed object keeps on the device as it is, else ``None``."""
+    if type(packed) is tuple:
+        return packed
+    if type(packed) is _Kept:
+        return packed.tensor, packed.version
+    return None
+
+
 _R = TypeVar("_R")
 
 
@@ -567,6 +578,7 @@ class _Regions:
             if module is not None and getattr(module, "_compiled_call_impl", None) is None:
                 spans.append((module, first, end))
         native = {j for _, first, end in spans for j in range(first + 1, end)}
+        native |= from_graph(plan.profile, plan.choices)  # NOTE [ Rebuilt from the graph ]
         names = {
             module
             for i, (save, choice) in enumerate(zip(plan.profile.saves, plan.choices, strict=True))
@@ -1466,11 +1478,14 @@ class TierStore:
         assert runner is not None
         recorder = _recorder()
         if choice == "rebuild":
-            recipe = recorder.recipe_for(t, nbytes) if recorder is not None else None
+            if recorder is None:  # NOTE [ Rebuilt from the graph ]
+                recipe = graph_recipe(t, nbytes, _held)
+            else:
+                recipe = recorder.recipe_for(t, nbytes)
+                if recipe is not None:
+                    recorder.note_packed(t, recipe, None)
             if recipe is not None:
                 self._manager.count_recomputed(nbytes, t.device)
-                assert recorder is not None
-                recorder.note_packed(t, recipe, None)
                 return recipe
             choice = "offload"  # not rebuildable this time: its bytes still leave
         handle = _unrecorded(self._manager.put, t, nbytes, _PLACED[choice])
@@ -1492,6 +1507,7 @@ class TierStore:
                 input_keys=tuple(p.key for p in inputs if type(p) is Handle),
                 cuda=t.is_cuda,
                 made_in=made_in,
+                graph=graph_op(t) is not None,
             )
         return handle
 

@@ -36,6 +36,7 @@ __all__ = [
     "Plan",
     "Profile",
     "Save",
+    "from_graph",
     "hands_heap_back",
     "kept_whole",
     "make_plan",
@@ -162,7 +163,7 @@ def replayed(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, in
     )
     if not out or list(choices).count("rebuild") == sum(end - first - 1 for _, first, end in out):
         return out  # no other rebuild records anywhere
-    native = {j for _, first, end in out for j in range(first, end)}
+    native = {j for _, first, end in out for j in range(first, end)} | from_graph(profile, choices)
     records_in = profile.records_in
     recorded = {
         m
@@ -232,8 +233,30 @@ def recorded_rebuilds(profile: Profile, choices: Sequence[Choice]) -> int:
         >>> recorded_rebuilds(p, ("keep", "rebuild", "rebuild", "rebuild"))
         2
     """
-    native = sum(end - first - 1 for _, first, end in replayed(profile, choices))
-    return sum(c == "rebuild" for c in choices) - native
+    native = {j for _, first, end in replayed(profile, choices) for j in range(first + 1, end)}
+    return sum(c == "rebuild" for c in choices) - len(native | from_graph(profile, choices))
+
+
+def from_graph(profile: Profile, choices: Sequence[Choice]) -> set[int]:
+    """The saves ``choices`` rebuilds from the autograd graph, with no recorder.
+
+    NOTE [ Rebuilt from the graph ] in tierstore/recompute.py.
+
+    Those whose op the graph can run again, each with every input kept.
+
+    Example:
+        >>> from tierstore.planner import Profile, Save, from_graph
+        >>> saves = (Save(10, "aten.mm", "a", 0.0, 0.0, 0.1),
+        ...          Save(40, "aten.gelu", "a", 0.0, 0.0, 0.01, inputs=(0,), graph=True))
+        >>> p = Profile(saves, 1.0, 1.0, 0.0, 1e9, 1e9, 10)
+        >>> from_graph(p, ("keep", "rebuild")), from_graph(p, ("offload", "rebuild"))
+        ({1}, set())
+    """
+    return {
+        i
+        for i in profile.graph_saves
+        if choices[i] == "rebuild" and all(choices[j] == "keep" for j in profile.saves[i].inputs)
+    }
 
 
 def _runnable(profile: Profile, choices: Sequence[Choice], native: set[int]) -> bool:
@@ -246,7 +269,7 @@ def _runnable(profile: Profile, choices: Sequence[Choice], native: set[int]) -> 
 
 
 def _natively_rebuilt(profile: Profile, choices: Sequence[Choice]) -> set[int]:
-    """The saves ``choices`` rebuilds natively.
+    """The saves ``choices`` rebuilds with no recorder: natively, or from the graph.
 
     Empty where that changes nothing: no op-by-op rebuild is priced and no
     save only a native replay can make is rebuilt.
@@ -255,7 +278,8 @@ def _natively_rebuilt(profile: Profile, choices: Sequence[Choice]) -> set[int]:
         choices[i] == "rebuild" for i in profile.unrebuildable
     ):
         return set()
-    return {j for _, first, end in replayed(profile, choices) for j in range(first + 1, end)}
+    native = {j for _, first, end in replayed(profile, choices) for j in range(first + 1, end)}
+    return native | from_graph(profile, choices)
 
 
 # NOTE [ A tensor saved twice ]
@@ -304,6 +328,9 @@ class Save:
         same_as: the earlier save of the same tensor (its index), when this
             one saves it again: no bytes of its own, and the plan's choice
             for it is that save's (NOTE [ A tensor saved twice ]).
+        graph: its op runs again from what the autograd graph holds, with
+            no recorder, where the plan keeps its ``inputs`` (NOTE
+            [ Rebuilt from the graph ] in tierstore/recompute.py).
     """
 
     nbytes: int
@@ -317,6 +344,7 @@ class Save:
     compiled: bool = False
     root: str = ""
     same_as: int | None = None
+    graph: bool = False
 
 
 @dataclass(frozen=True)
@@ -425,6 +453,11 @@ class Profile:
     def records_in(self) -> tuple[tuple[str, ...], ...]:
         """Per save, the modules a rebuild of it op by op records in (NOTE [ Replayed modules ])."""
         return tuple(save.made_in or (save.module,) for save in self.saves)
+
+    @cached_property
+    def graph_saves(self) -> tuple[int, ...]:
+        """The saves the autograd graph can rebuild (NOTE [ Rebuilt from the graph ])."""
+        return tuple(i for i, save in enumerate(self.saves) if save.graph)
 
     @cached_property
     def unrebuildable(self) -> tuple[int, ...]:

@@ -443,6 +443,7 @@ class _Row:
     used_at: object = None  # the Timer's mark when backward first used it
     made_in: tuple[str, ...] = ()  # the modules that ran a rebuild's ops
     root: str = ""  # the outermost module that saved it
+    graph: bool = False  # NOTE [ Rebuilt from the graph ] in recompute.py
 
 
 @dataclass
@@ -984,13 +985,15 @@ class PlanRunner:
         made_in: tuple[str, ...] = (),
         compiled: bool = False,
         root: str = "",
+        graph: bool = False,
     ) -> None:
         """Write down a save of a profiled step (``key``: its entry's).
 
         A save of an entry already saved (the same tensor twice) rests in no
         new bytes: it is written down with none. ``compiled``: a compiled
         region handed it over as the region ended (NOTE [ A peak above the
-        budget ]).
+        budget ]). ``graph``: the autograd graph can rebuild it (NOTE
+        [ Rebuilt from the graph ] in tierstore/recompute.py).
         """
         step = self._step
         assert step is not None and step.profiling
@@ -1009,7 +1012,7 @@ class PlanRunner:
                 step.compiled_in.add(module)
         assert step.timer is not None
         mark = step.timer.mark()
-        row = _Row(nbytes, again, op, module, mark, rebuild_s, inputs, None, made_in, root)
+        row = _Row(nbytes, again, op, module, mark, rebuild_s, inputs, None, made_in, root, graph)
         step.rows.append(row)
 
     def used(self, key: int, planned: int = 0) -> bool:
@@ -1156,6 +1159,7 @@ class PlanRunner:
                 compiled=r.module in step.compiled_in,
                 root=r.root,
                 same_as=r.again,
+                graph=r.graph,
             )
             for r in rows
         )

@@ -37,7 +37,18 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 from tierstore.errors import ConfigError, TierstoreError, modified_in_place
 from tierstore.handle import Saved
 
-__all__ = ["CHEAP_OPS", "Policy", "Recipe", "Recorder", "cheap", "everything", "never_traced"]
+__all__ = [
+    "CHEAP_OPS",
+    "GRAPH_OPS",
+    "Policy",
+    "Recipe",
+    "Recorder",
+    "cheap",
+    "everything",
+    "graph_op",
+    "graph_recipe",
+    "never_traced",
+]
 
 # NOTE [ Hooks and Dynamo ]
 # Dynamo must never trace the hooks (locks, threads, file I/O) nor the
@@ -342,6 +353,8 @@ class _Origin:
                 packed = ref()
                 if packed is None:
                     return None
+                if type(packed) is Recipe and packed._view is not None:
+                    return None  # made from the graph, where no recorder ran
                 if type(packed) is Recipe:  # its node serves both
                     leaves.append(_Input(packed._node, packed._index))
                 elif extra is None:  # kept as it is: its detached alias shares the version
@@ -570,10 +583,17 @@ class Recipe(Saved):
         >>> y.sum().backward(); store.close()
     """
 
-    __slots__ = ("_index", "_node", "depth", "nbytes")
+    __slots__ = ("_index", "_node", "_view", "depth", "nbytes")
 
     def __init__(
-        self, node: _Node, index: int | None, t: torch.Tensor, nbytes: int, depth: int
+        self,
+        node: _Node,
+        index: int | None,
+        t: torch.Tensor,
+        nbytes: int,
+        depth: int,
+        *,
+        view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None,
     ) -> None:
         super().__init__(t)
         node.add_use()
@@ -581,6 +601,9 @@ class Recipe(Saved):
         self._index = index
         self.nbytes = nbytes
         self.depth = depth
+        # The op made the saved tensor's base, of this shape and stride; the
+        # saved tensor is a view of it at this offset (NOTE [ Rebuilt from the graph ]).
+        self._view = view
 
     def rebuild(
         self, empty: Callable[[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device], Any]
@@ -598,13 +621,25 @@ class Recipe(Saved):
             if alias is not None and alias._version != self.version:
                 raise modified_in_place(self.shape, self.dtype, alias._version, self.version)
 
+        view = self._view
+        shape, stride = (self.shape, self.stride) if view is None else view[:2]
+
         def alloc() -> torch.Tensor | None:
-            buf: torch.Tensor | None = empty(self.shape, self.stride, self.dtype, self.device)
+            buf: torch.Tensor | None = empty(shape, stride, self.dtype, self.device)
             return buf
 
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             out = self._node.value((alloc, self._index))
         t: torch.Tensor = out if self._index is None else out[self._index]
+        if view is not None:
+            if (tuple(t.shape), tuple(t.stride())) != view[:2]:
+                raise TierstoreError(
+                    f"tierstore: recomputing {self._node.func} gave shape {list(t.shape)} "
+                    f"and strides {list(t.stride())}, but forward's output had "
+                    f"{list(view[0])} and {list(view[1])}; please report this, and set "
+                    "activation_budget=None (TIERSTORE_ACTIVATION_BUDGET) meanwhile"
+                )
+            t = t.as_strided(self.shape, self.stride, t.storage_offset() + view[2])
         if tuple(t.shape) != self.shape or t.dtype != self.dtype:
             raise TierstoreError(
                 f"tierstore: recomputing {self._node.func} gave shape {list(t.shape)} "
@@ -624,6 +659,118 @@ class Recipe(Saved):
 
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+# NOTE [ Rebuilt from the graph ]
+# The recorder sees every op so that any save can be rebuilt, and on a GPU
+# its Python per op is what the step waits on (NOTE [ Replayed modules ] in
+# planner.py). Yet most saves a plan rebuilds cheaply are one elementwise
+# op's output whose inputs the step keeps anyway (GELU's output from the
+# matmul before it, SiLU's, SwiGLU's product), and autograd has already
+# written down all a rebuild needs: the saved tensor's base was made by the
+# op of its grad_fn, and that node holds the op's inputs, as the packed
+# objects our own pack hook gave it, and its other arguments. So a planned
+# step rebuilds such a save with no recorder running. At pack,
+# graph_recipe() reads the node (its type names the op; its raw saved
+# variables' .data gives the packed inputs without unpacking them) and
+# returns a Recipe that runs the op again in backward and takes the saved
+# view of its output: one lookup per rebuilt save, no Python per op.
+# It makes one only where that is exact:
+#   * the op is in GRAPH_OPS: deterministic, out of place, every argument
+#     held by its node (LayerNorm's node lacks eps, so it is not);
+#   * the saved tensor is at version 0: nothing changed it in place since
+#     the op made its base, so the base is the op's output as it was;
+#   * each input is kept on the device as it is (``kept`` resolves its
+#     packed object): no read in forward, and its version is checked at
+#     rebuild, as for every recipe's inputs held as they are;
+#   * the rebuilt output has the layout the base had (the same op on the
+#     same inputs lays it out the same way; checked, and a mismatch raises).
+# Elsewhere it returns None and the pack hook stores the save instead. A
+# profiled step marks the saves graph_op() finds (Save.graph); the planner
+# charges no recorder for those a plan rebuilds with their inputs kept
+# (planner.from_graph), and the hooks record in no module for them.
+
+#: Backward nodes whose op a rebuild runs again from what the node holds:
+#: the op, its tensor arguments and then its other ones, by the names the
+#: node saves them under (``_raw_saved_self``, ``_saved_approximate``).
+GRAPH_OPS: dict[str, tuple[Any, tuple[str, ...], tuple[str, ...]]] = {
+    "GeluBackward0": (torch.ops.aten.gelu.default, ("self",), ("approximate",)),
+    "SiluBackward0": (torch.ops.aten.silu.default, ("self",), ()),
+    "MulBackward0": (torch.ops.aten.mul.Tensor, ("self", "other"), ()),
+}
+
+
+def graph_op(t: torch.Tensor) -> Any:
+    """The autograd node whose op made ``t``'s base, if :data:`GRAPH_OPS` can run it again.
+
+    NOTE [ Rebuilt from the graph ]. ``None`` where not: another op, an
+    input the node did not save, or ``t`` modified in place since.
+
+    Example:
+        >>> import torch
+        >>> from tierstore.recompute import graph_op
+        >>> x = torch.randn(4, 4, requires_grad=True)
+        >>> graph_op(torch.nn.functional.gelu(x).t()).name()
+        'GeluBackward0'
+        >>> graph_op(x.exp()) is None
+        True
+    """
+    if t._version:
+        return None
+    base = t._base if t._base is not None else t
+    node = base.grad_fn
+    found = GRAPH_OPS.get(type(node).__name__) if node is not None else None
+    if found is None or any(_packed_input(node, name) is None for name in found[1]):
+        return None  # or an input its node did not save (mul by a mask that needs no grad)
+    return node
+
+
+def _packed_input(node: Any, name: str) -> Any:
+    """What the pack hook gave ``node`` for its input ``name``, not unpacked; or ``None``."""
+    return getattr(getattr(node, "_raw_saved_" + name), "data", None)
+
+
+def graph_recipe(
+    t: torch.Tensor, nbytes: int, kept: Callable[[Any], tuple[torch.Tensor, int] | None]
+) -> Recipe | None:
+    """A recipe for ``t`` read off the autograd graph, or ``None``.
+
+    NOTE [ Rebuilt from the graph ].
+
+    ``kept(packed)``: the tensor and version a packed object keeps on the
+    device as it is, else ``None`` (the pack hook's own kept forms).
+
+    Example:
+        >>> import torch
+        >>> from torch.autograd.graph import saved_tensors_hooks
+        >>> from tierstore.recompute import graph_recipe
+        >>> x = torch.randn(4, 4, requires_grad=True)
+        >>> with saved_tensors_hooks(lambda t: (t, t._version), lambda p: p[0]):
+        ...     y = torch.nn.functional.gelu(x * 2)
+        >>> recipe = graph_recipe(y, 64, lambda p: p if type(p) is tuple else None)
+        >>> torch.equal(recipe.rebuild(lambda *a: None), y)
+        True
+    """
+    node = graph_op(t)
+    if node is None:
+        return None
+    func, tensors, others = GRAPH_OPS[type(node).__name__]
+    leaves: list[Any] = []
+    for name in tensors:
+        packed = _packed_input(node, name)
+        held = kept(packed) if packed is not None else None
+        if held is None:
+            return None
+        leaves.append(_Input(held[0], held[1]))
+    leaves += [getattr(node, "_saved_" + name) for name in others]
+    node_of = _Node(func, ((None,) * len(leaves), others), leaves, ())
+    base = t._base
+    if base is None:
+        return Recipe(node_of, None, t, nbytes, 1)
+    offset = int(t.storage_offset() - base.storage_offset())
+    return Recipe(
+        node_of, None, t, nbytes, 1, view=(tuple(base.shape), tuple(base.stride()), offset)
+    )
 
 
 class Recorder(TorchDispatchMode):
