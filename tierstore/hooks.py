@@ -1478,13 +1478,12 @@ class TierStore:
         assert runner is not None
         recorder = _recorder()
         if choice == "rebuild":
-            if recorder is None:  # NOTE [ Rebuilt from the graph ]
+            recipe = recorder.recipe_for(t, nbytes) if recorder is not None else None
+            if recipe is None:  # not recorded: NOTE [ Rebuilt from the graph ]
                 recipe = graph_recipe(t, nbytes, _held)
-            else:
-                recipe = recorder.recipe_for(t, nbytes)
-                if recipe is not None:
-                    recorder.note_packed(t, recipe, None)
             if recipe is not None:
+                if recorder is not None:
+                    recorder.note_packed(t, recipe, None)
                 self._manager.count_recomputed(nbytes, t.device)
                 return recipe
             choice = "offload"  # not rebuildable this time: its bytes still leave
