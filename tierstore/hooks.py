@@ -27,6 +27,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import types
 import warnings
 import weakref
@@ -1487,7 +1488,12 @@ class TierStore:
                 self._manager.count_recomputed(nbytes, t.device)
                 return recipe
             choice = "offload"  # not rebuildable this time: its bytes still leave
-        handle = _unrecorded(self._manager.put, t, nbytes, _PLACED[choice])
+        if runner.profiling and t.is_cuda:  # NOTE [ Pricing a moved save first ] in plans.py
+            began, waited = time.perf_counter(), runner.waits()
+            handle = _unrecorded(self._manager.put, t, nbytes, _PLACED[choice])
+            runner.moved(time.perf_counter() - began - (runner.waits() - waited), True)
+        else:
+            handle = _unrecorded(self._manager.put, t, nbytes, _PLACED[choice])
         if recorder is not None:
             recorder.note_packed(t, handle, self._manager.get)
         if runner.profiling:
@@ -1530,6 +1536,19 @@ class TierStore:
             return t
         if runner is not None and runner.used(packed.key if type(packed) is Handle else -1):
             self._manager.backward_began()
+        if (
+            runner is not None
+            and runner.profiling
+            and type(packed) is Handle
+            and packed.device.type == "cuda"
+        ):
+            began, waited = (
+                time.perf_counter(),
+                runner.waits(),
+            )  # NOTE [ Pricing a moved save first ]
+            t = self._fetch(packed)
+            runner.moved(time.perf_counter() - began - (runner.waits() - waited), False)
+            return t
         return self._fetch(packed)
 
     def _fetch(self, packed: Handle | Recipe) -> torch.Tensor:

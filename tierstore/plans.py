@@ -157,6 +157,21 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # the profile was timed on the device; a CPU's profile times the recorder
 # with the ops.
 
+# NOTE [ Pricing a moved save first ]
+# Likewise a moved save's host time: on a GPU the copies run on their own
+# streams, timed with events, but the put and the get that start them run
+# on the training thread, about 0.17-0.20 ms out and back on an H200's host
+# (benchmarks/gpu_host.py), and a step near the host's limit pays them in
+# full. Priced at nothing until a check charged them (NOTE [ Charging a
+# slow step ]), the first plans offloaded 1 GiB in 43 saves and ran 5-11%
+# over their predictions, each time less than a check acts on, while a
+# plan that offloaded nothing and rebuilt GELU's outputs from the graph ran
+# at its own (64.7 ms predicted 64.4). So a profile timed on the device
+# prices a moved save first at the host time its own puts and gets took,
+# the store's waits for the link taken out, per save it moved. It errs dear
+# for a step the device binds, where that time hides behind the kernels;
+# a check that finds the step faster rescales the prediction.
+
 # NOTE [ A peak above the budget ]
 # A planned step's peak is checked as its time is. One above the budget (and
 # the prediction) by more than REFIT_TOLERANCE, and by more than the largest
@@ -472,6 +487,8 @@ class _Step:
     device_read: tuple[int, float] = (0, 0.0)
     io_cpu: float = 0.0  # the I/O threads' CPU seconds when the step began
     cuda: bool = False  # a save was a CUDA tensor
+    moved_host_s: float = 0.0  # the host's time moving saves out and back, waits taken out
+    moved_saves: int = 0  # the saves it moved out (NOTE [ Pricing a moved save first ])
     kept_used: int = 0  # bytes of plan-kept saves backward has used (NOTE [ Saves that stay ])
     compiled_bytes: int = 0  # handed over by compiled regions (NOTE [ A peak above the budget ])
     compiled_in: set[str] = field(default_factory=set)  # the modules of those saves
@@ -1018,6 +1035,20 @@ class PlanRunner:
         row = _Row(nbytes, again, op, module, mark, rebuild_s, inputs, None, made_in, root, graph)
         step.rows.append(row)
 
+    def moved(self, seconds: float, out: bool) -> None:
+        """A profiled step's host spent ``seconds`` moving a save out (``out``) or back in.
+
+        NOTE [ Pricing a moved save first ]; waits for the link taken out by the caller.
+        """
+        step = self._step
+        if step is not None and step.profiling:
+            step.moved_host_s += seconds
+            step.moved_saves += out
+
+    def waits(self) -> float:
+        """The store's waits so far, seconds (NOTE [ Timing a profile ])."""
+        return self._now_waits()
+
     def used(self, key: int, planned: int = 0) -> bool:
         """Backward used the save of entry ``key`` (-1: a save that is no entry).
 
@@ -1198,6 +1229,9 @@ class PlanRunner:
         if busy and not self._recorded_rebuild_s:  # NOTE [ Pricing the recorder first ]
             host = max(0.0, total - waits - forward - backward)
             self._recorded_rebuild_s = host / len(rows)
+        if busy and not self._moved_s_per_save and step.moved_saves:
+            # NOTE [ Pricing a moved save first ]
+            self._moved_s_per_save = step.moved_host_s / step.moved_saves
         faults = self._page_fault_s
         profile = Profile(
             saves=saves,
