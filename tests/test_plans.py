@@ -1446,6 +1446,30 @@ def test_a_search_yields_between_simulations_only_beside_the_training_thread(
     assert "planner.YIELD_BETWEEN_SIMULATIONS = False" in plans._WORKER
 
 
+def _planning_with(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch, make: Callable[[Profile, int], Plan]
+) -> tierstore.TierStore:
+    """A store at activation_budget=0.6 whose plans ``make`` makes, on the training thread."""
+    store = tierstore.TierStore(
+        tierstore.TierConfig(activation_budget=0.6, min_offload_bytes=0, disk_path=spill_root)
+    )
+    assert store._runner is not None
+    store._runner.background = False
+    monkeypatch.setattr(plans, "make_plan", make)
+    return store
+
+
+def _counting(calls: list[str]) -> Callable[..., Any]:
+    """The recorder's dispatch, noting each op it sees in ``calls``."""
+    original = Recorder.__torch_dispatch__
+
+    def counting(self: Recorder, func: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(func._overloadpacket.__name__)
+        return original(self, func, *args, **kwargs)
+
+    return counting
+
+
 def _checkpointing_blocks(blocks: tuple[str, ...]) -> Callable[[Profile, int], Plan]:
     """make_plan, but the plan checkpoints ``blocks`` and keeps the rest."""
 
@@ -1472,19 +1496,9 @@ def test_a_plan_that_rebuilds_whole_blocks_checkpoints_them_natively(
         real_trim(self, heap)
 
     monkeypatch.setattr(Transfers, "trim", trim)  # before the store takes it
-    store = tierstore.TierStore(
-        tierstore.TierConfig(activation_budget=0.6, min_offload_bytes=0, disk_path=spill_root)
-    )
-    assert store._runner is not None
-    store._runner.background = False
-    monkeypatch.setattr(plans, "make_plan", _checkpointing_blocks(("blocks.0", "blocks.2")))
+    store = _planning_with(spill_root, monkeypatch, _checkpointing_blocks(("blocks.0", "blocks.2")))
     calls: list[str] = []
-    original = Recorder.__torch_dispatch__
-
-    def counting(self: Recorder, func: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(func._overloadpacket.__name__)
-        return original(self, func, *args, **kwargs)
-
+    counting = _counting(calls)
     model = _model()
     eager = [_step(model, step) for step in range(6)]
     for step in range(6):
@@ -1545,25 +1559,16 @@ def _rebuilding_from_the_graph(profile: Profile, budget: int) -> Plan:
     return replace(make_plan(profile, budget), choices=tuple(choices))
 
 
+@pytest.mark.filterwarnings("ignore::tierstore.TierstoreWarning")  # a forced plan's peak
 def test_a_plan_rebuilds_gelus_outputs_from_the_graph_with_no_recorder(
     spill_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # NOTE [ Rebuilt from the graph ] in recompute.py: the planned step records
     # no op, packs a recipe for each GELU output the next Linear saves, and
     # its gradients are eager's, bitwise, dropout and all.
-    store = tierstore.TierStore(
-        tierstore.TierConfig(activation_budget=0.6, min_offload_bytes=0, disk_path=spill_root)
-    )
-    assert store._runner is not None
-    store._runner.background = False
-    monkeypatch.setattr(plans, "make_plan", _rebuilding_from_the_graph)
+    store = _planning_with(spill_root, monkeypatch, _rebuilding_from_the_graph)
     calls: list[str] = []
-    original = Recorder.__torch_dispatch__
-
-    def counting(self: Recorder, func: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(func._overloadpacket.__name__)
-        return original(self, func, *args, **kwargs)
-
+    original, counting = Recorder.__torch_dispatch__, _counting(calls)
     model = _model()
     eager = [_step(model, step) for step in range(5)]
     for step in range(5):
@@ -1713,10 +1718,12 @@ def test_a_tensor_saved_twice_is_profiled_as_its_first_save_and_planned_alike(
     store.close()
 
 
-def test_a_device_profile_prices_the_recorder_from_the_host_time_it_added() -> None:
+def test_a_device_profile_prices_the_recorder_and_a_moved_save_from_the_host_time() -> None:
     # NOTE [ Pricing the recorder first ]: the device was busy 85 ms of a
     # profiled step whose host slept 0.3 s; each of its 4 saves rebuilt op
-    # by op is first priced at the host's excess over 4.
+    # by op is first priced at the host's excess over 4. NOTE [ Pricing a
+    # moved save first ]: the host spent 0.3 ms putting and 0.1 ms getting
+    # each save (waits taken out by the caller): 0.4 ms a moved save.
     device = _FakeDevice()
     runner = _on_device(device)
     for _ in range(2):  # warm-up, then the profile
@@ -1733,9 +1740,11 @@ def test_a_device_profile_prices_the_recorder_from_the_host_time_it_added() -> N
                     key, nbytes=1 << 20, op="aten.mm", module=f"m{key}", rebuild_s=rebuild,
                     input_keys=(), cuda=True,
                 )  # fmt: skip
+            runner.moved(0.0003, True)
         time.sleep(0.3)  # the recorder's Python, say: host time the device never saw
         for key in reversed(range(4)):
             runner.used(key)
+            runner.moved(0.0001, False)
             device.now += 0.015
         host = time.perf_counter() - began
         runner.step_ended(0)
@@ -1747,38 +1756,8 @@ def test_a_device_profile_prices_the_recorder_from_the_host_time_it_added() -> N
     assert profile.recorded_rebuild_s >= (0.3 - busy) / 4
     # The runner's step begins a moment before this test's clock starts.
     assert profile.recorded_rebuild_s == pytest.approx((host - busy) / 4, abs=1e-3)
-
-
-def test_a_device_profile_prices_a_moved_save_at_the_host_time_its_moves_took() -> None:
-    # NOTE [ Pricing a moved save first ]: the host spent 0.3 ms putting and
-    # 0.1 ms getting each of 4 saves (waits taken out by the caller): 0.4 ms
-    # a moved save, before any planned step ran.
-    device = _FakeDevice()
-    runner = _on_device(device)
-    for _ in range(2):  # warm-up, then the profile
-        timer = runner.profile_timer()
-        device.now = 0.0
-        for key in range(4):
-            start = timer.begin()
-            device.now += 0.010
-            rebuild = functools.partial(timer.elapsed, start, timer.end())
-            runner.choose(1 << 20)
-            if runner.profiling:
-                runner.saved(
-                    key, nbytes=1 << 20, op="aten.mm", module=f"m{key}", rebuild_s=rebuild,
-                    input_keys=(), cuda=True,
-                )  # fmt: skip
-            runner.moved(0.0003, True)
-        for key in reversed(range(4)):
-            runner.used(key)
-            runner.moved(0.0001, False)
-            device.now += 0.015
-        runner.step_ended(0)
-    plan = runner.plan
-    assert plan is not None
-    assert plan.profile.moved_s_per_save == pytest.approx(0.0004)
-    # Outside a profiled step, nothing is counted.
-    runner.moved(1.0, True)
+    assert profile.moved_s_per_save == pytest.approx(0.0004)
+    runner.moved(1.0, True)  # outside a profiled step: not counted
     assert runner._moved_s_per_save == pytest.approx(0.0004)
 
 
