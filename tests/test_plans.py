@@ -1806,3 +1806,29 @@ def test_a_profile_a_plan_may_checkpoint_imports_what_checkpoint_needs_then() ->
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_a_profiled_move_tells_the_runner_its_host_time_less_the_stores_waits() -> None:
+    # NOTE [ Pricing a moved save first ]: the hook's wrapper around a put or
+    # a get on CUDA; of 50 ms in the call, 30 were the store waiting for the link.
+    told: list[tuple[float, bool]] = []
+
+    class Runner:
+        waited = 0.0
+
+        def waits(self) -> float:
+            return self.waited
+
+        def moved(self, seconds: float, out: bool) -> None:
+            told.append((seconds, out))
+
+    runner = Runner()
+
+    def put(x: int) -> int:
+        time.sleep(0.05)
+        runner.waited += 0.03
+        return x + 1
+
+    assert hooks._moving(runner, True, put, 1) == 2
+    assert len(told) == 1 and told[0][1] is True
+    assert 0.02 <= told[0][0] < 0.02 + 0.03  # the sleep's 50 ms, less the 30 waited

@@ -368,6 +368,19 @@ def _held(packed: object) -> tuple[torch.Tensor, int] | None:
 _R = TypeVar("_R")
 
 
+def _moving(runner: Any, out: bool, fn: Callable[..., _R], *args: Any) -> _R:
+    """``fn(*args)``: a profiled step moving a save out (``out``) or back, its host time told.
+
+    NOTE [ Pricing a moved save first ] in plans.py: the store's waits for
+    the link are taken out.
+    """
+    began, waited = time.perf_counter(), runner.waits()
+    try:
+        return fn(*args)
+    finally:
+        runner.moved(time.perf_counter() - began - (runner.waits() - waited), out)
+
+
 def _unrecorded(fn: Callable[..., _R], *args: Any) -> _R:
     """``fn(*args)``, tierstore's own ops in a hook: the recorder neither records nor times them.
 
@@ -1488,10 +1501,11 @@ class TierStore:
                 self._manager.count_recomputed(nbytes, t.device)
                 return recipe
             choice = "offload"  # not rebuildable this time: its bytes still leave
-        if runner.profiling and t.is_cuda:  # NOTE [ Pricing a moved save first ] in plans.py
-            began, waited = time.perf_counter(), runner.waits()
-            handle = _unrecorded(self._manager.put, t, nbytes, _PLACED[choice])
-            runner.moved(time.perf_counter() - began - (runner.waits() - waited), True)
+        handle: Handle
+        if runner.profiling and t.is_cuda:
+            handle = _moving(
+                runner, True, _unrecorded, self._manager.put, t, nbytes, _PLACED[choice]
+            )
         else:
             handle = _unrecorded(self._manager.put, t, nbytes, _PLACED[choice])
         if recorder is not None:
@@ -1536,19 +1550,9 @@ class TierStore:
             return t
         if runner is not None and runner.used(packed.key if type(packed) is Handle else -1):
             self._manager.backward_began()
-        if (
-            runner is not None
-            and runner.profiling
-            and type(packed) is Handle
-            and packed.device.type == "cuda"
-        ):
-            began, waited = (
-                time.perf_counter(),
-                runner.waits(),
-            )  # NOTE [ Pricing a moved save first ]
-            t = self._fetch(packed)
-            runner.moved(time.perf_counter() - began - (runner.waits() - waited), False)
-            return t
+        profiled = runner is not None and runner.profiling and type(packed) is Handle
+        if profiled and packed.device.type == "cuda":  # NOTE [ Pricing a moved save first ]
+            return _moving(runner, False, self._fetch, packed)
         return self._fetch(packed)
 
     def _fetch(self, packed: Handle | Recipe) -> torch.Tensor:
