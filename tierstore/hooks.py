@@ -1550,8 +1550,8 @@ class TierStore:
             return t
         if runner is not None and runner.used(packed.key if type(packed) is Handle else -1):
             self._manager.backward_began()
-        profiled = runner is not None and runner.profiling and type(packed) is Handle
-        if profiled and packed.device.type == "cuda":  # NOTE [ Pricing a moved save first ]
+        cuda = type(packed) is Handle and packed.device.type == "cuda"
+        if cuda and runner is not None and runner.profiling:  # NOTE [ Pricing a moved save first ]
             return _moving(runner, False, self._fetch, packed)
         return self._fetch(packed)
 

@@ -844,13 +844,11 @@ class PlanRunner:
 
     def _begin(self) -> _Step:
         profiling = self._profile_next()
-        step = _Step(time.perf_counter(), profiling, waits_at_start=self._now_waits())
+        step = _Step(time.perf_counter(), profiling, waits_at_start=self.waits())
         step.waiting = not profiling and self.plan is None
         if profiling:  # NOTE [ Timing a profile ]
             event = self._events() if self._events is not None else None
-            step.timer = (
-                HostTimer(self._now_waits) if event is None else BusyTimer(self._now_waits, event)
-            )
+            step.timer = HostTimer(self.waits) if event is None else BusyTimer(self.waits, event)
         step.written = self._writes.snapshot()
         step.read = self._reads.snapshot()
         if self._device_links is not None:
@@ -868,7 +866,8 @@ class PlanRunner:
             self._cpu_step_began(plan.hands_back)
         return step
 
-    def _now_waits(self) -> float:
+    def waits(self) -> float:
+        """The store's waits so far, seconds (NOTE [ Timing a profile ])."""
         waits: float = self._waits()  # type: ignore[operator]
         return waits
 
@@ -1045,10 +1044,6 @@ class PlanRunner:
             step.moved_host_s += seconds
             step.moved_saves += out
 
-    def waits(self) -> float:
-        """The store's waits so far, seconds (NOTE [ Timing a profile ])."""
-        return self._now_waits()
-
     def used(self, key: int, planned: int = 0) -> bool:
         """Backward used the save of entry ``key`` (-1: a save that is no entry).
 
@@ -1197,7 +1192,7 @@ class PlanRunner:
             )
             for r in rows
         )
-        waits = self._now_waits() - step.waits_at_start
+        waits = self.waits() - step.waits_at_start
         write = self._writes.rate_since(step.written)
         read = self._reads.rate_since(step.read)
         if step.cuda and self._device_links is not None:

@@ -715,14 +715,20 @@ def graph_op(t: torch.Tensor) -> Any:
         >>> graph_op(x.exp()) is None
         True
     """
+    found = _graph_node(t)
+    if found is None or any(_packed_input(found[0], name) is None for name in found[1][1]):
+        return None  # or an input its node did not save (mul by a mask that needs no grad)
+    return found[0]
+
+
+def _graph_node(t: torch.Tensor) -> tuple[Any, tuple[Any, tuple[str, ...], tuple[str, ...]]] | None:
+    """The node that made ``t``'s base and its :data:`GRAPH_OPS` entry, if it has one."""
     if t._version:
         return None
     base = t._base if t._base is not None else t
     node = base.grad_fn
     found = GRAPH_OPS.get(type(node).__name__) if node is not None else None
-    if found is None or any(_packed_input(node, name) is None for name in found[1]):
-        return None  # or an input its node did not save (mul by a mask that needs no grad)
-    return node
+    return None if found is None else (node, found)
 
 
 def _packed_input(node: Any, name: str) -> Any:
@@ -751,10 +757,10 @@ def graph_recipe(
         >>> torch.equal(recipe.rebuild(lambda *a: None), y)
         True
     """
-    node = graph_op(t)
-    if node is None:
+    found = _graph_node(t)  # its inputs checked below, each looked up once
+    if found is None:
         return None
-    func, tensors, others = GRAPH_OPS[type(node).__name__]
+    node, (func, tensors, others) = found
     leaves: list[Any] = []
     for name in tensors:
         packed = _packed_input(node, name)
