@@ -24,6 +24,7 @@ from tierstore.planner import (
     floor_bytes,
     from_graph,
     hands_heap_back,
+    kept_whole,
     make_plan,
     recorded_rebuilds,
     replayed,
@@ -760,10 +761,10 @@ def _blocks(n: int, per: int, *, recorded: float, link: float = 1e3) -> Profile:
                    recorded_rebuild_s=recorded)  # fmt: skip
 
 
-def test_a_rebuild_from_the_graph_costs_its_compute_alone_and_only_from_kept_inputs() -> None:
+def test_a_rebuild_from_the_graph_costs_its_compute_alone_and_never_from_a_rebuilt_input() -> None:
     # NOTE [ Rebuilt from the graph ] in recompute.py: no recorder runs for
-    # it, so no recorder's charge; but only with every input kept, for the
-    # node holds the inputs as the hook packed them.
+    # it, so no recorder's charge; its inputs kept or stored (the node holds
+    # them as the hook packed them), never rebuilt themselves.
     p = _blocks(2, 3, recorded=0.5)
     graph = dataclasses.replace(p.saves[2], inputs=(1,), graph=True)
     q = dataclasses.replace(p, saves=(*p.saves[:2], graph, *p.saves[3:]))
@@ -772,13 +773,35 @@ def test_a_rebuild_from_the_graph_costs_its_compute_alone_and_only_from_kept_inp
     assert simulate(q, kept_input, q.window_bytes).step_s == pytest.approx(
         simulate(p, ("keep",) * 6, p.window_bytes).step_s + 0.001
     )
-    # Its input stored: the recorder rebuilds it, at the recorder's charge.
+    # Its input stored: read back for the rebuild, still no recorder.
     stored_input = ("keep", "offload", "rebuild") + ("keep",) * 3
-    assert from_graph(q, stored_input) == set() and recorded_rebuilds(q, stored_input) == 1
-    assert simulate(q, stored_input, q.window_bytes).step_s > 0.5
+    assert from_graph(q, stored_input) == {2} and recorded_rebuilds(q, stored_input) == 0
+    recorded = dataclasses.replace(
+        q, saves=(*q.saves[:2], dataclasses.replace(graph, graph=False), *q.saves[3:])
+    )
+    assert recorded_rebuilds(recorded, stored_input) == 1
+    assert simulate(q, stored_input, q.window_bytes).step_s == pytest.approx(
+        simulate(recorded, stored_input, q.window_bytes).step_s - 0.5  # the recorder's charge
+    )
+    # Its input rebuilt itself: not from the graph (from_graph's example).
+    assert from_graph(q, ("keep", "rebuild", "rebuild") + ("keep",) * 3) == set()
     # And it does not stop the recorder-free checkpointing of another module.
     both = (*kept_input[:3], "keep", "rebuild", "rebuild")
     assert replayed(q, both) == (("m.1", 3, 6),) and recorded_rebuilds(q, both) == 0
+
+
+def test_a_module_that_holds_an_input_of_a_rebuild_from_the_graph_is_not_kept_whole() -> None:
+    # NOTE [ Modules kept whole ]: inside one, autograd holds the saves, not
+    # the pack hook, and a rebuild from the graph reads its input as packed.
+    p = _blocks(2, 3, recorded=0.0)
+    everything = ("keep",) * 6
+    assert [m for m, _, _ in kept_whole(p, everything)] == ["m.0", "m.1"]
+    graph = dataclasses.replace(p.saves[3], inputs=(2,), graph=True)
+    q = dataclasses.replace(p, saves=(*p.saves[:3], graph, *p.saves[4:]))
+    rebuilt = ("keep",) * 3 + ("rebuild", "keep", "keep")
+    assert from_graph(q, rebuilt) == {3}
+    assert kept_whole(q, rebuilt) == ()  # m.0 holds its input; m.1 rebuilds
+    assert [m for m, _, _ in kept_whole(q, everything)] == ["m.0", "m.1"]
 
 
 def test_replayed_modules_are_those_rebuilt_whole_from_a_kept_input() -> None:

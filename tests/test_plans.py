@@ -1601,6 +1601,63 @@ def test_a_plan_rebuilds_gelus_outputs_from_the_graph_with_no_recorder(
     store.close()
 
 
+def _rebuilding_from_stored_inputs(profile: Profile, budget: int) -> Plan:
+    """As :func:`_rebuilding_from_the_graph`, but the GELU outputs' inputs are stored."""
+    plan = _rebuilding_from_the_graph(profile, budget)
+    choices = list(plan.choices)
+    for i in profile.graph_saves:
+        for j in profile.saves[i].inputs:
+            choices[j] = "offload"
+    return replace(plan, choices=tuple(choices))
+
+
+@pytest.mark.filterwarnings("ignore::tierstore.TierstoreWarning")  # a forced plan's peak
+def test_a_rebuild_from_the_graph_reads_a_stored_input_once_and_records_nothing(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ Rebuilt from the graph ]: the GELU's input offloaded, its output
+    # rebuilt from the graph all the same, with no recorder anywhere in the
+    # step; the rebuild and the GELU's own backward share one read.
+    store = _planning_with(spill_root, monkeypatch, _rebuilding_from_stored_inputs)
+    calls: list[str] = []
+    original, counting = Recorder.__torch_dispatch__, _counting(calls)
+    model = _model()
+    eager = [_step(model, step) for step in range(5)]
+    reads: list[int] = []
+    get = store._manager.get
+    for step in range(5):
+        if step == 3:
+            monkeypatch.setattr(Recorder, "__torch_dispatch__", counting)
+            monkeypatch.setattr(store._manager, "get", lambda h: reads.append(h.key) or get(h))
+            seen = _spy_packs(store)
+            before = store.stats()
+        with store.offload():
+            grads = _step(model, step)
+        _same([grads], [eager[step]])
+        if step == 3:
+            after, packed = store.stats(), seen[:]
+            monkeypatch.setattr(Recorder, "__torch_dispatch__", original)
+            monkeypatch.setattr(store._manager, "get", get)
+    plan = store.plan()
+    assert plan is not None
+    saves = plan.profile.saves
+    graph = sorted(plan.profile.graph_saves)
+    inputs = sorted({j for i in graph for j in saves[i].inputs})
+    assert len(graph) == len(inputs) == CONFIG.layers
+    assert [plan.choices[j] for j in inputs] == ["offload"] * len(inputs)
+    assert planner.from_graph(plan.profile, plan.choices) == set(graph)
+    assert recorded_rebuilds(plan.profile, plan.choices) == 0
+    assert not store._regions.records and calls == []  # nothing recorded
+    moved = [p for p in packed if type(p) is not _Kept]  # kept by the plan: the rest
+    assert [type(p).__name__ for p in moved] == [
+        {"rebuild": "Recipe", "offload": "Handle"}[c] for c in plan.choices if c != "keep"
+    ]
+    handles = [p.key for p in moved if type(p) is not Recipe]
+    assert sorted(reads) == sorted(handles)  # each stored input read once, for both users
+    assert after.recomputed - before.recomputed == len(graph)
+    store.close()
+
+
 def test_a_recipe_from_the_graph_raises_on_an_input_changed_in_place(spill_root: Path) -> None:
     # Eager autograd raises on a saved tensor changed in place; so does a
     # rebuild that would read it, before any wrong gradient.

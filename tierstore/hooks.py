@@ -444,7 +444,7 @@ def _unusual(t: torch.Tensor) -> Placement | None:
     """Why a plain-sized ``t`` still stays: no storage, no data, lazy bits, or a buffer."""
     if t._is_zerotensor() or t.is_meta or t.is_conj() or t.is_neg() or t.is_quantized:
         return "layout"
-    if t.grad_fn is None and _buffers.storages and t.untyped_storage() in _buffers.storages:
+    if _buffers.storages and t.is_leaf and t.untyped_storage() in _buffers.storages:
         return "parameter"
     return None
 
@@ -1494,7 +1494,7 @@ class TierStore:
         if choice == "rebuild":
             recipe = recorder.recipe_for(t, nbytes) if recorder is not None else None
             if recipe is None:  # not recorded: NOTE [ Rebuilt from the graph ]
-                recipe = graph_recipe(t, nbytes, _held)
+                recipe = graph_recipe(t, nbytes, _held, self._manager.get)
             if recipe is not None:
                 if recorder is not None:
                     recorder.note_packed(t, recipe, None)

@@ -200,7 +200,9 @@ def kept_whole(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, 
     NOTE [ Modules kept whole ] in hooks.py: their saves need no hook. The
     outermost modules first (a plan that keeps everything keeps the model
     whole), then the blocks outside them. Not a module where keep() stored
-    a save: the hook carries that out. Below, blocks ``a`` and ``b`` of a model ``m``.
+    a save: the hook carries that out. Nor one that holds an input of a
+    save rebuilt from the graph (:func:`from_graph`): that rebuild reads the
+    input as the pack hook packed it. Below, blocks ``a`` and ``b`` of a model ``m``.
 
     Example:
         >>> from tierstore.planner import Profile, Save, kept_whole
@@ -210,12 +212,15 @@ def kept_whole(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, 
         ((('m', 0, 4),), (('a', 0, 2),))
     """
     stored = set(profile.stored_in)
+    read = {j for i in from_graph(profile, choices) for j in profile.saves[i].inputs}
 
     def whole(spans: tuple[tuple[str, int, int], ...]) -> list[tuple[str, int, int]]:
         return [
             (module, first, end)
             for module, first, end in spans
-            if module not in stored and choices[first:end].count("keep") == end - first
+            if module not in stored
+            and choices[first:end].count("keep") == end - first
+            and not any(first <= j < end for j in read)
         ]
 
     roots = whole(profile.root_spans)
@@ -242,7 +247,8 @@ def from_graph(profile: Profile, choices: Sequence[Choice]) -> set[int]:
 
     NOTE [ Rebuilt from the graph ] in tierstore/recompute.py.
 
-    Those whose op the graph can run again, each with every input kept.
+    Those whose op the graph can run again, with no input rebuilt: each is
+    kept, or stored and read back once for the rebuild and its own use.
 
     Example:
         >>> from tierstore.planner import Profile, Save, from_graph
@@ -250,12 +256,14 @@ def from_graph(profile: Profile, choices: Sequence[Choice]) -> set[int]:
         ...          Save(40, "aten.gelu", "a", 0.0, 0.0, 0.01, inputs=(0,), graph=True))
         >>> p = Profile(saves, 1.0, 1.0, 0.0, 1e9, 1e9, 10)
         >>> from_graph(p, ("keep", "rebuild")), from_graph(p, ("offload", "rebuild"))
-        ({1}, set())
+        ({1}, {1})
+        >>> from_graph(p, ("rebuild", "rebuild"))
+        set()
     """
     return {
         i
         for i in profile.graph_saves
-        if choices[i] == "rebuild" and all(choices[j] == "keep" for j in profile.saves[i].inputs)
+        if choices[i] == "rebuild" and all(choices[j] != "rebuild" for j in profile.saves[i].inputs)
     }
 
 

@@ -681,14 +681,20 @@ def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
 #   * the saved tensor is at version 0: nothing changed it in place since
 #     the op made its base, so the base is the op's output as it was;
 #   * each input is kept on the device as it is (``kept`` resolves its
-#     packed object): no read in forward, and its version is checked at
-#     rebuild, as for every recipe's inputs held as they are;
+#     packed object; its version is checked at rebuild, as for every
+#     recipe's inputs held as they are), or stored (a Handle): the rebuild
+#     reads it through the store once, shared with autograd's own unpack of
+#     it just after (_Stored, as a recorded recipe's stored input is), and
+#     the store's get checks its version. An input rebuilt itself is not
+#     taken (a chain of rebuilds is the recorder's);
 #   * the rebuilt output has the layout the base had (the same op on the
 #     same inputs lays it out the same way; checked, and a mismatch raises).
 # Elsewhere it returns None and the pack hook stores the save instead. A
 # profiled step marks the saves graph_op() finds (Save.graph); the planner
-# charges no recorder for those a plan rebuilds with their inputs kept
-# (planner.from_graph), and the hooks record in no module for them.
+# charges no recorder for those a plan rebuilds with no input rebuilt
+# (planner.from_graph), and the hooks record in no module for them: a plan
+# whose every rebuild is such runs no recorder at all, and its modules that
+# keep everything run without hooks (NOTE [ Modules kept whole ]).
 
 #: Backward nodes whose op a rebuild runs again from what the node holds:
 #: the op, its tensor arguments and then its other ones, by the names the
@@ -737,7 +743,10 @@ def _packed_input(node: Any, name: str) -> Any:
 
 
 def graph_recipe(
-    t: torch.Tensor, nbytes: int, kept: Callable[[Any], tuple[torch.Tensor, int] | None]
+    t: torch.Tensor,
+    nbytes: int,
+    kept: Callable[[Any], tuple[torch.Tensor, int] | None],
+    fetch: Callable[[Any], torch.Tensor] | None = None,
 ) -> Recipe | None:
     """A recipe for ``t`` read off the autograd graph, or ``None``.
 
@@ -745,6 +754,9 @@ def graph_recipe(
 
     ``kept(packed)``: the tensor and version a packed object keeps on the
     device as it is, else ``None`` (the pack hook's own kept forms).
+    ``fetch(packed)``: reads a stored input back (the store's ``get``), once
+    for the rebuild and autograd's own unpack of it; ``None``: every input
+    must be kept.
 
     Example:
         >>> import torch
@@ -765,9 +777,15 @@ def graph_recipe(
     for name in tensors:
         packed = _packed_input(node, name)
         held = kept(packed) if packed is not None else None
-        if held is None:
-            return None
-        leaves.append(_Input(held[0], held[1]))
+        if held is not None:
+            leaves.append(_Input(held[0], held[1]))
+        elif fetch is not None and isinstance(packed, Saved) and type(packed) is not Recipe:
+            leaves.append(_Input(_Stored.of(packed, fetch), None, packed))  # stored: read once
+        else:
+            return None  # not saved, or rebuilt itself
+    for leaf in leaves:  # this node is one more user of each stored input's read
+        if isinstance(leaf.source, _Shared):
+            leaf.source.add_use()
     leaves += [getattr(node, "_saved_" + name) for name in others]
     node_of = _Node(func, ((None,) * len(leaves), others), leaves, ())
     base = t._base
@@ -950,7 +968,7 @@ class Recorder(TorchDispatchMode):
         found = self._packed.get(storage, {}).get(key)
         if found is not None and found[0] == t._version:
             return ("packed", found[1], found[2], found[3])
-        if t.grad_fn is None and self._is_kept(t):
+        if t.is_leaf and self._is_kept(t):  # is_leaf: no grad_fn, and no Python node made
             # The tensor itself: below autograd, detach() would not share its
             # version counter. Only without a grad_fn, so a recipe never holds
             # a graph (which holds the recipe).
