@@ -1559,21 +1559,25 @@ def _rebuilding_from_the_graph(profile: Profile, budget: int) -> Plan:
     return replace(make_plan(profile, budget), choices=tuple(choices))
 
 
-@pytest.mark.filterwarnings("ignore::tierstore.TierstoreWarning")  # a forced plan's peak
-def test_a_plan_rebuilds_gelus_outputs_from_the_graph_with_no_recorder(
-    spill_root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # NOTE [ Rebuilt from the graph ] in recompute.py: the planned step records
-    # no op, packs a recipe for each GELU output the next Linear saves, and
-    # its gradients are eager's, bitwise, dropout and all.
-    store = _planning_with(spill_root, monkeypatch, _rebuilding_from_the_graph)
+def _watched_planned_step(
+    store: tierstore.TierStore, monkeypatch: pytest.MonkeyPatch, get: Any = None
+) -> tuple[list[str], list[Any], Any, Any]:
+    """Five steps of the GPT, each bitwise eager's; the fourth (planned) watched.
+
+    Returns the ops the recorder saw in it, what the pack hook returned for
+    the saves its plan decides, and the stats before and after it. ``get``
+    stands in for the store's get during that step.
+    """
     calls: list[str] = []
     original, counting = Recorder.__torch_dispatch__, _counting(calls)
     model = _model()
     eager = [_step(model, step) for step in range(5)]
+    real_get = store._manager.get
     for step in range(5):
         if step == 3:
             monkeypatch.setattr(Recorder, "__torch_dispatch__", counting)
+            if get is not None:
+                monkeypatch.setattr(store._manager, "get", get)
             seen = _spy_packs(store)
             before = store.stats()
         with store.offload():
@@ -1582,6 +1586,19 @@ def test_a_plan_rebuilds_gelus_outputs_from_the_graph_with_no_recorder(
         if step == 3:
             after, packed = store.stats(), seen[:]
             monkeypatch.setattr(Recorder, "__torch_dispatch__", original)
+            monkeypatch.setattr(store._manager, "get", real_get)
+    return calls, packed, before, after
+
+
+@pytest.mark.filterwarnings("ignore::tierstore.TierstoreWarning")  # a forced plan's peak
+def test_a_plan_rebuilds_gelus_outputs_from_the_graph_with_no_recorder(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ Rebuilt from the graph ] in recompute.py: the planned step records
+    # no op, packs a recipe for each GELU output the next Linear saves, and
+    # its gradients are eager's, bitwise, dropout and all.
+    store = _planning_with(spill_root, monkeypatch, _rebuilding_from_the_graph)
+    calls, packed, before, after = _watched_planned_step(store, monkeypatch)
     plan = store.plan()
     assert plan is not None
     saves = plan.profile.saves
@@ -1619,25 +1636,11 @@ def test_a_rebuild_from_the_graph_reads_a_stored_input_once_and_records_nothing(
     # rebuilt from the graph all the same, with no recorder anywhere in the
     # step; the rebuild and the GELU's own backward share one read.
     store = _planning_with(spill_root, monkeypatch, _rebuilding_from_stored_inputs)
-    calls: list[str] = []
-    original, counting = Recorder.__torch_dispatch__, _counting(calls)
-    model = _model()
-    eager = [_step(model, step) for step in range(5)]
     reads: list[int] = []
     get = store._manager.get
-    for step in range(5):
-        if step == 3:
-            monkeypatch.setattr(Recorder, "__torch_dispatch__", counting)
-            monkeypatch.setattr(store._manager, "get", lambda h: reads.append(h.key) or get(h))
-            seen = _spy_packs(store)
-            before = store.stats()
-        with store.offload():
-            grads = _step(model, step)
-        _same([grads], [eager[step]])
-        if step == 3:
-            after, packed = store.stats(), seen[:]
-            monkeypatch.setattr(Recorder, "__torch_dispatch__", original)
-            monkeypatch.setattr(store._manager, "get", get)
+    calls, packed, before, after = _watched_planned_step(
+        store, monkeypatch, get=lambda h: reads.append(h.key) or get(h)
+    )
     plan = store.plan()
     assert plan is not None
     saves = plan.profile.saves
