@@ -337,8 +337,9 @@ class Save:
             one saves it again: no bytes of its own, and the plan's choice
             for it is that save's (NOTE [ A tensor saved twice ]).
         graph: its op runs again from what the autograd graph holds, with
-            no recorder, where the plan keeps its ``inputs`` (NOTE
-            [ Rebuilt from the graph ] in tierstore/recompute.py).
+            no recorder, where the plan rebuilds none of its ``inputs``
+            (:func:`from_graph`; NOTE [ Rebuilt from the graph ] in
+            tierstore/recompute.py).
     """
 
     nbytes: int

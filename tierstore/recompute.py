@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from tierstore.errors import ConfigError, TierstoreError, modified_in_place
-from tierstore.handle import Saved
+from tierstore.handle import Handle, Saved
 
 __all__ = [
     "CHEAP_OPS",
@@ -779,7 +779,7 @@ def graph_recipe(
         held = kept(packed) if packed is not None else None
         if held is not None:
             leaves.append(_Input(held[0], held[1]))
-        elif fetch is not None and isinstance(packed, Saved) and type(packed) is not Recipe:
+        elif fetch is not None and type(packed) is Handle:
             leaves.append(_Input(_Stored.of(packed, fetch), None, packed))  # stored: read once
         else:
             return None  # not saved, or rebuilt itself

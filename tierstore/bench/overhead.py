@@ -97,24 +97,27 @@ class OverheadRow:
     @property
     def mean_over_median(self) -> float:
         """The mean step over the median: stalls every few steps raise it."""
-        return statistics.fmean(self.steps_s) / self.median_s
+        return _over_median(self.steps_s, statistics.fmean) or 0.0
 
     @property
     def max_over_median(self) -> float:
         """The slowest step over the median."""
-        return max(self.steps_s) / self.median_s
+        return _over_median(self.steps_s, max) or 0.0
 
     @property
     def paired_mean_over_median(self) -> float | None:
         """:attr:`mean_over_median` of :attr:`paired`: the figure judged."""
-        return (
-            statistics.fmean(self.paired) / statistics.median(self.paired) if self.paired else None
-        )
+        return _over_median(self.paired, statistics.fmean)
 
     @property
     def paired_max_over_median(self) -> float | None:
         """:attr:`max_over_median` of :attr:`paired`: the figure judged."""
-        return max(self.paired) / statistics.median(self.paired) if self.paired else None
+        return _over_median(self.paired, max)
+
+
+def _over_median(values: list[float], of: Callable[[list[float]], float]) -> float | None:
+    """``of(values)`` over their median; ``None`` for no values."""
+    return of(values) / statistics.median(values) if values else None
 
 
 def _chain(layers: int, width: int, seed: int = 0, block: int = 1) -> torch.nn.Sequential:
@@ -332,33 +335,35 @@ def _measure(
             current.clear()
             return took
 
-        none = rows["none"]
-        gc.collect()  # once: what the warm-up left is no row's
-        gc.callbacks.append(collected)
+        none, baseline = rows["none"], out["none"]
         over_none: dict[str, list[float]] = {name: [] for name in rows}
         cpu_over_none: dict[str, list[float]] = {name: [] for name in rows}
-        for _ in range(rounds):
-            for name, ctx in rows.items():
-                if ctx is none:
-                    continue
-                # NOTE [ Steps paired with no hooks' ]: a step of no hooks
-                # before each of the row's and one after the last.
-                row, reference_row = out[name], out["none"]
-                around = [timed(none, reference_row)]
-                mine = []
-                for _ in range(steps_per_round):
-                    mine.append(timed(ctx, row))
-                    around.append(timed(none, reference_row))
-                steps, cpu = [w for w, _ in mine], [c for _, c in mine]
-                ref, ref_cpu = [w for w, _ in around], [c for _, c in around]
-                row.steps_s += steps
-                row.cpu_steps_s += cpu
-                row.paired += _paired(steps, ref)
-                out["none"].steps_s += ref
-                out["none"].cpu_steps_s += ref_cpu
-                over_none[name].append(statistics.median(steps) - statistics.median(ref))
-                cpu_over_none[name].append(statistics.median(cpu) - statistics.median(ref_cpu))
-        gc.callbacks.remove(collected)
+        gc.collect()  # once: what the warm-up left is no row's
+        gc.callbacks.append(collected)
+        try:
+            for _ in range(rounds):
+                for name, ctx in rows.items():
+                    if ctx is none:
+                        continue
+                    # NOTE [ Steps paired with no hooks' ]: a step of no hooks
+                    # before each of the row's and one after the last.
+                    row = out[name]
+                    around = [timed(none, baseline)]
+                    mine = []
+                    for _ in range(steps_per_round):
+                        mine.append(timed(ctx, row))
+                        around.append(timed(none, baseline))
+                    steps, cpu = [w for w, _ in mine], [c for _, c in mine]
+                    ref, ref_cpu = [w for w, _ in around], [c for _, c in around]
+                    row.steps_s += steps
+                    row.cpu_steps_s += cpu
+                    row.paired += _paired(steps, ref)
+                    baseline.steps_s += ref
+                    baseline.cpu_steps_s += ref_cpu
+                    over_none[name].append(statistics.median(steps) - statistics.median(ref))
+                    cpu_over_none[name].append(statistics.median(cpu) - statistics.median(ref_cpu))
+        finally:
+            gc.callbacks.remove(collected)
         over_none["none"] = cpu_over_none["none"] = [0.0]
         for name, ctx in rows.items():
             store = getattr(ctx, "__self__", None)
@@ -464,13 +469,13 @@ def run(args: argparse.Namespace) -> int:
         f"budget's mean at most {MAX_MEAN_OVER_MEDIAN:g}x and its slowest step at most "
         f"{MAX_MAX_OVER_MEDIAN:g}x its median, each step over no hooks' steps either side of it"
     )
-    control = next((r for r in rows if r.name == "identity"), None)
-    if control is not None and control.paired:
+    by = {r.name: r for r in rows}
+    control = by["identity"]
+    if control.paired:
         print(
             f"noise left after pairing: identity hooks' mean {control.paired_mean_over_median:.2f}x"
             f" and slowest step {control.paired_max_over_median:.2f}x their median"
         )
-    by = {r.name: r for r in rows}
     floor = by["floor"].cpu_us_per_save
     print(
         f"floor: {floor:.1f} us per save (cpu) for hooks that only hold a detached alias and "
