@@ -430,7 +430,9 @@ def _sized(t: torch.Tensor, min_bytes: int) -> int | Placement:
     if type(t) is not _TENSOR:
         return "parameter" if isinstance(t, _PARAMETER) else "layout"
     base = t._base  # early: nn.Linear saves weight.t() at every call
-    if base is not None and isinstance(base, _PARAMETER):
+    # type() first: isinstance() with Parameter's metaclass costs 0.3 us, and
+    # most views saved are of plain activations.
+    if base is not None and type(base) is not _TENSOR and isinstance(base, _PARAMETER):
         return "parameter"
     if t.layout is not _STRIDED or t.is_nested:
         return "layout"
