@@ -137,6 +137,10 @@ class _Local(threading.local):
     # Backward replays a checkpointed module here: the module's hooks of this
     # layer stand aside (NOTE [ Replayed modules ] in planner.py).
     replaying = False
+    # NOTE [ Quiet blocks ]: the store's hooks a quiet block took off, which a
+    # keep() region inside it puts back; whether a keep() region ran.
+    quiet: tuple[Any, Any] | None = None
+    keeps = False
 
 
 _local = _Local()
@@ -210,14 +214,33 @@ def _checked_tier(tier: object, where: str) -> Tier:
     )
 
 
+def _woken() -> tuple[Any, Any] | None:
+    """A keep() region begins: a quiet block's hooks back on for it (NOTE [ Quiet blocks ])."""
+    _local.keeps = True
+    quiet = _local.quiet
+    if quiet is not None:
+        torch._C._autograd._push_saved_tensors_default_hooks(*quiet)
+        _local.quiet = None
+    return quiet
+
+
+def _asleep(quiet: tuple[Any, Any] | None) -> None:
+    """A keep() region ends: the hooks :func:`_woken` put back come off again."""
+    if quiet is not None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        _local.quiet = quiet
+
+
 @contextlib.contextmanager
 def _keeping(tier: Tier) -> Iterator[None]:
     previous = _requested_tier()
     _local.tier = tier
+    quiet = _woken()
     try:
         yield
     finally:
         _local.tier = previous
+        _asleep(quiet)
 
 
 def keep(tier: Tier = "device") -> contextlib.AbstractContextManager[None]:
@@ -270,20 +293,23 @@ class _KeepModule:
             module.register_forward_hook(self._leave, always_call=True),
         ]
 
-    def _stack(self) -> list[Tier | None]:
-        stack: list[Tier | None] | None = getattr(self._at_entry, "stack", None)
+    def _stack(self) -> list[tuple[Tier | None, tuple[Any, Any] | None]]:
+        stack: list[tuple[Tier | None, tuple[Any, Any] | None]] | None = getattr(
+            self._at_entry, "stack", None
+        )
         if stack is None:
             stack = self._at_entry.stack = []
         return stack
 
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
-        self._stack().append(_requested_tier())
+        self._stack().append((_requested_tier(), _woken()))
         _local.tier = self._tier
 
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         stack = self._stack()
         if stack:
-            _local.tier = stack.pop()
+            _local.tier, quiet = stack.pop()
+            _asleep(quiet)
 
     def remove(self) -> None:
         """Stop sending this module's saved tensors to the tier. Idempotent."""
@@ -464,11 +490,28 @@ def _checked(config: object, where: str) -> TierConfig | None:
 class _Block:
     """One entered offload block: its hooks, its first tally (or ``None``), its recompute state."""
 
-    __slots__ = ("before", "hooks", "names", "outer_recompute", "outer_regions", "pushed")
+    __slots__ = (
+        "alone",
+        "before",
+        "first",
+        "hooks",
+        "names",
+        "outer_keeps",
+        "outer_recompute",
+        "outer_regions",
+        "pushed",
+        "quiet",
+    )
 
     def __init__(self, hooks: saved_tensors_hooks, before: PackTally | None) -> None:
         self.hooks = hooks
         self.before = before
+        # NOTE [ Quiet blocks ]: what its first save was (None: none yet, or a
+        # block that may not go quiet); whether its hooks are off.
+        self.first: tuple[Any, ...] | None = None
+        self.quiet = False
+        self.outer_keeps = False
+        self.alone = 0  # the store's blocks opened so far, if no other was open; else 0
         self.pushed: Recorder | None = None
         self.outer_recompute = False
         # NOTE [ Recording where a plan rebuilds ]: what the block's regions replaced.
@@ -541,6 +584,50 @@ KeptUsed = Callable[[int], None]
 # branch inside it) is not seen doing so: all its saves stay on the device
 # as autograd holds them, so gradients are exact; only the counts and the
 # peak are the profile's.
+
+# NOTE [ Quiet blocks ]
+# A save that stays costs a decision and a count (NOTE [ Saves that stay ] in
+# store.py): Python, microseconds per save, most of a small step's time. A
+# step that repeats one whose saves all stayed needs neither, so it runs
+# without the store's hooks after its first save, as a module a plan keeps
+# whole does (NOTE [ Modules kept whole ]). How:
+#   * a block that may go quiet begins with a pack hook of its own
+#     (_pack_first): the outermost offload() block of its thread, with no
+#     plan and no recorder (recompute off), no keep() region open, nothing
+#     beneath it on autograd's stack of hooks (an outer checkpoint's or a
+#     user's hooks would take the saves the store's had hidden from them),
+#     no tracing, and a torch that reads the stack (2.8 and later);
+#   * its first save decides. The block goes quiet where the step before was
+#     one block (a forward in two blocks is never repeated), that block ran
+#     alone (no other block of the store open in any thread beside it),
+#     moved nothing and ran no keep() region, this save looks as that
+#     block's first did (shape, dtype, device, and its size or why it
+#     stays; a nested or sparse one never matches), and the room
+#     device_budget leaves this step holds that block's bytes twice over.
+#     Then its saves are counted as that block's were
+#     (TierManager.stayed_as_before), the first is kept as it is, and the
+#     hooks come off the stack. Otherwise the store's own hooks take the
+#     first one's place for the rest of the block, which is measured: what
+#     its saves came to is what the next step may repeat;
+#   * a keep() region or keep_module inside a quiet block puts the hooks
+#     back for its length (its tier is the hooks' to carry out; its saves
+#     count beside those of the block repeated, which ran none); the block's
+#     close puts them back for its own pop;
+#   * the first save's unpack counts a backward (NOTE [ Step log ]), which
+#     ends the step at the next block.
+# What a quiet block skips is what NOTE [ Saves that stay ] skips, and the
+# decision and count per save: autograd holds the saves as it does without
+# tierstore, so an in-place change raises autograd's own error, and
+# retain_graph, double backward and threads are autograd's own. What it
+# takes on trust: that a block whose first save is as last step's saves
+# what that block saved. A batch size or sequence length that changes
+# changes the first save, and the block is measured. A block whose saves
+# differ after the same first save (a data-dependent branch, tokens routed
+# to experts) keeps them all on the device, as autograd would, and counts
+# them as before; the room held twice their bytes, so they must more than
+# double before the device holds more than device_budget. A backward that
+# never reaches the first save (autograd.grad for an inner input) ends no
+# step, so the next block is the step's second and is measured.
 
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _HOOKS_ENABLED: Callable[[], bool] = getattr(
@@ -1091,6 +1178,13 @@ class TierStore:
         # NOTE [ Recording where a plan rebuilds ]: the profiled step's modules by name.
         self._modules: dict[str, weakref.ref[torch.nn.Module]] = {}
         self._regions = _Regions(everything, self._stays, self._pack)
+        # NOTE [ Quiet blocks ]: the block a quiet one repeats (its first save
+        # and what its saves came to), for this step and for the next.
+        self._quiet: tuple[tuple[Any, ...], PackTally] | None = None
+        self._next_quiet: tuple[tuple[Any, ...], PackTally] | None = None
+        self._step_blocks = 0
+        self._opened = 0  # blocks opened so far, in every thread
+        self._open = 0  # and open now
 
     @contextlib.contextmanager
     def offload(self, recompute: RecomputeSetting | None = None) -> Iterator[TierStore]:
@@ -1135,12 +1229,14 @@ class TierStore:
         policy = self._recompute if recompute is None else policy_of(recompute)
         if self._unpacks != self._step_unpacks:  # a backward ran: a step ended
             self._step_ended()
-        # Only while the warning could still be due: it costs a lock.
-        watch = not self._warned and not self._manager.moved
-        block = _Block(
-            saved_tensors_hooks(self._pack, self._unpack),
-            self._manager.pack_tally() if watch else None,
-        )
+        self._step_blocks += 1
+        may_quiet = self._may_go_quiet(policy)
+        # Only while the warning could still be due, or for a block that may
+        # go quiet (NOTE [ Quiet blocks ]): it costs a lock.
+        watch = may_quiet or (not self._warned and not self._manager.moved)
+        block = _Block(None, self._manager.pack_tally() if watch else None)  # type: ignore[arg-type]
+        pack = functools.partial(self._pack_first, block) if may_quiet else self._pack
+        block.hooks = saved_tensors_hooks(pack, self._unpack)
         _buffers.use(+1)
         _local.active += 1
         try:
@@ -1149,6 +1245,11 @@ class TierStore:
             _local.active -= 1
             _buffers.use(-1)
             raise
+        # NOTE [ Quiet blocks ]: a block is repeated only if it ran alone.
+        self._opened += 1
+        block.alone = self._opened if not self._open else 0
+        self._open += 1
+        block.outer_keeps, _local.keeps = _local.keeps, False
         # NOTE [ Recompute in blocks ]
         block.outer_recompute = _local.recompute
         runner, timed, depth = self._runner, False, None
@@ -1229,6 +1330,10 @@ class TierStore:
     def _close_block(self, block: _Block, ok: bool, where: str) -> None:
         """Pop the hooks; warn if nothing left the device (NOTE [ Is it working? ])."""
         try:
+            if block.quiet:  # NOTE [ Quiet blocks ]: its hooks back on, for the pop below
+                if _local.quiet is not None:
+                    torch._C._autograd._push_saved_tensors_default_hooks(*_local.quiet)
+                _local.quiet = None
             if block.outer_regions is not None:
                 self._regions.restore()  # NOTE [ Modules kept whole ]
                 _local.regions, _local.region_recorder = block.outer_regions
@@ -1246,6 +1351,10 @@ class TierStore:
             finally:
                 _local.active -= 1
                 _buffers.use(-1)
+        self._open -= 1
+        keeps, _local.keeps = _local.keeps, block.outer_keeps or _local.keeps
+        alone = block.alone == self._opened  # none opened since, none open before
+        self._next_quiet = self._repeatable(block, ok and alone and not keeps)
         before = block.before
         if not ok or before is None or self._warned or self._manager.closed:
             return
@@ -1260,8 +1369,68 @@ class TierStore:
             self._warned = True
             warnings.warn(TierstoreWarning(message), stacklevel=_user_stacklevel())
 
+    def _may_go_quiet(self, policy: Policy | None) -> bool:
+        """Whether a block opening now may go quiet after its first save (NOTE [ Quiet blocks ])."""
+        return (
+            self._runner is None
+            and policy is None
+            and _TOP_HOOKS is not None
+            and not _local.active
+            and _local.tier is None
+            and _local.recorder is None
+            and _local.region_recorder is None
+            and _TOP_HOOKS(False) is None
+            and _HOOKS_ENABLED()
+            and not _tracing()
+        )
+
+    def _repeatable(self, block: _Block, ok: bool) -> tuple[tuple[Any, ...], PackTally] | None:
+        """What a quiet block may repeat of ``block``, which closed (NOTE [ Quiet blocks ])."""
+        if not ok or block.first is None or self._manager.closed:
+            return None
+        if block.quiet:
+            return self._quiet
+        if block.before is None:
+            return None
+        tally = self._manager.pack_tally().since(block.before)
+        return None if tally.moved else (block.first, tally)
+
+    @never_traced
+    def _pack_first(
+        self, block: _Block, t: torch.Tensor
+    ) -> Handle | _Kept | tuple[torch.Tensor, int] | Recipe:
+        """The pack hook until a block's first save: the block goes quiet, or on as ever.
+
+        NOTE [ Quiet blocks ].
+        """
+        if block.first is not None:  # decided; a compiled graph hands its saves over at once
+            return (t.detach(), t._version) if block.quiet else self._pack(t)
+        nbytes = _sized(t, self._min_bytes)
+        # A nested or sparse tensor has no plain shape: such a block is never repeated.
+        block.first = (t.shape, t.dtype, t.device, nbytes) if nbytes != "layout" else (object(),)
+        top = _TOP_HOOKS(False) if _TOP_HOOKS is not None else None
+        if top is None or top[0] is not block.hooks.pack_hook:
+            return self._pack(t)  # called other than from the top of the stack
+        autograd = torch._C._autograd
+        autograd._pop_saved_tensors_default_hooks()
+        quiet = self._quiet
+        if (
+            quiet is not None
+            and quiet[0] == block.first
+            and _local.tier is None
+            and self._manager.stayed_as_before(quiet[1])
+        ):
+            _local.quiet = (self._pack, self._unpack)
+            block.quiet = True
+            return (t.detach(), t._version)
+        autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+        return self._pack(t)
+
     def _step_ended(self) -> None:
         """NOTE [ Step log ]; with activation_budget, the plan's turn (NOTE [ Planned saves ])."""
+        # NOTE [ Quiet blocks ]: only a step of one block is repeated.
+        self._quiet = self._next_quiet if self._step_blocks == 1 else None
+        self._next_quiet, self._step_blocks = None, 0
         self._step_unpacks = self._unpacks
         self._steps += 1
         self._manager.step_ended()

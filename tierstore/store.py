@@ -166,6 +166,9 @@ __all__ = ["TierManager", "resting_nbytes"]
 #   * the plan's measured peak: a save the plan keeps is resident from its
 #     save to its first use in backward, beside the device tier and the
 #     bytes in flight; the peak is taken as backward begins (backward_began).
+# A step that repeats one whose saves all stayed skips even the decision and
+# the count: its block runs without hooks after its first save, counted as
+# the block it repeats (stayed_as_before; NOTE [ Quiet blocks ] in hooks.py).
 
 # NOTE [ Deferred release ]
 # A Handle's finalizer can run at any moment: in another thread, or in this
@@ -581,6 +584,26 @@ class TierManager:
             return False
         finally:
             counts.release()
+
+    def stayed_as_before(self, tally: PackTally) -> bool:
+        """A quiet block's saves, counted as those of the block it repeats (``tally``).
+
+        NOTE [ Quiet blocks ] in hooks.py: only where device_budget's saves may
+        stay this step (NOTE [ Saves that stay ]) and the repeated block's fit
+        twice over in the room left; else ``False``, and nothing is counted.
+        """
+        n, nbytes = tally.counts.get("device_budget", (0, 0))
+        with self._counts:
+            if self.plans is not None or self._step_bytes + 2 * nbytes > self._room:
+                return False  # a room of -1: this step's saves may not stay
+            self._step_bytes += nbytes
+            self._stayed_n += n
+            for why, (k, b) in tally.counts.items():
+                if why != "device_budget":
+                    counts = self._kept_by.setdefault(why, [0, 0])  # type: ignore[arg-type]
+                    counts[0] += k
+                    counts[1] += b
+            return True
 
     def _stayed_now(self) -> tuple[int, int]:
         """The saves that stayed by device_budget this step, and their bytes; under _counts."""
