@@ -112,7 +112,7 @@ def test_quiet_steps_count_as_the_steps_measured(spill_root: Path) -> None:
     quiet, loud = _store(spill_root), _store(spill_root)
     loud._may_go_quiet = lambda policy: False  # type: ignore[method-assign]
     _same(_steps(_model(), quiet, 6), _steps(_model(), loud, 6))
-    assert quiet._quiet is not None and loud._quiet is None
+    assert quiet._next_quiet is not None and loud._next_quiet is None
     assert quiet._manager.pack_tally().counts == loud._manager.pack_tally().counts
     q, l_ = quiet.stats(), loud.stats()
     assert (q.packed, q.kept, q.kept_bytes) == (l_.packed, l_.kept, l_.kept_bytes)
@@ -129,7 +129,7 @@ def test_an_inplace_change_in_a_quiet_block_raises_as_eager_does(spill_root: Pat
         y.sum().backward()
     with store.offload():
         y = x.sin().exp()  # exp saves its output, autograd's own once the block is quiet
-    assert store._quiet is not None
+        assert _TOP_HOOKS(False) is None  # type: ignore[misc]
     with torch.no_grad():
         y.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -285,4 +285,24 @@ def test_the_step_log_sees_every_quiet_step(
         with store.offload():  # the sixth step ends the fifth
             model(_batch(5)).sum().backward()
     assert len([r for r in caplog.records if r.name == "tierstore"]) == 5
+    store.close()
+
+
+def test_one_block_a_step_goes_quiet(spill_root: Path) -> None:
+    store = _store(spill_root)
+    model = _model()
+    watch = _Watch(store, model)
+    _steps(model, store, 3)
+    assert watch.packs == 6
+    torch.manual_seed(0)
+    with store.offload():
+        a = model(_batch(3)).square().mean()
+    with store.offload():  # the same first save, in the same step: measured
+        b = model(_batch(3)).square().mean()
+    assert watch.packs == 2 * 6
+    (a + b).backward()
+    assert store.stats().packed == 5 * 6
+    model.zero_grad(set_to_none=True)
+    _steps(model, store, 2, first=4)  # a step of two blocks is not repeated: measured first
+    assert watch.packs == 3 * 6
     store.close()

@@ -507,9 +507,9 @@ class _Block:
         self.hooks = hooks
         self.before = before
         # NOTE [ Quiet blocks ]: what its first save was (None: none yet, or a
-        # block that may not go quiet); whether its hooks are off.
+        # block that may not go quiet); the block it repeats, if its hooks are off.
         self.first: tuple[Any, ...] | None = None
-        self.quiet = False
+        self.quiet: tuple[tuple[Any, ...], PackTally] | None = None
         self.outer_keeps = False
         self.alone = 0  # the store's blocks opened so far, if no other was open; else 0
         self.pushed: Recorder | None = None
@@ -1330,7 +1330,7 @@ class TierStore:
     def _close_block(self, block: _Block, ok: bool, where: str) -> None:
         """Pop the hooks; warn if nothing left the device (NOTE [ Is it working? ])."""
         try:
-            if block.quiet:  # NOTE [ Quiet blocks ]: its hooks back on, for the pop below
+            if block.quiet is not None:  # NOTE [ Quiet blocks ]: hooks back on, for the pop below
                 if _local.quiet is not None:
                     torch._C._autograd._push_saved_tensors_default_hooks(*_local.quiet)
                 _local.quiet = None
@@ -1388,8 +1388,8 @@ class TierStore:
         """What a quiet block may repeat of ``block``, which closed (NOTE [ Quiet blocks ])."""
         if not ok or block.first is None or self._manager.closed:
             return None
-        if block.quiet:
-            return self._quiet
+        if block.quiet is not None:
+            return block.quiet
         if block.before is None:
             return None
         tally = self._manager.pack_tally().since(block.before)
@@ -1404,7 +1404,7 @@ class TierStore:
         NOTE [ Quiet blocks ].
         """
         if block.first is not None:  # decided; a compiled graph hands its saves over at once
-            return (t.detach(), t._version) if block.quiet else self._pack(t)
+            return (t.detach(), t._version) if block.quiet is not None else self._pack(t)
         nbytes = _sized(t, self._min_bytes)
         # A nested or sparse tensor has no plain shape: such a block is never repeated.
         block.first = (t.shape, t.dtype, t.device, nbytes) if nbytes != "layout" else (object(),)
@@ -1421,7 +1421,7 @@ class TierStore:
             and self._manager.stayed_as_before(quiet[1])
         ):
             _local.quiet = (self._pack, self._unpack)
-            block.quiet = True
+            block.quiet, self._quiet = quiet, None  # one quiet block a step
             return (t.detach(), t._version)
         autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
         return self._pack(t)
