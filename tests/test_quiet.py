@@ -20,7 +20,8 @@ import torch
 from backend_helpers import run_in_threads
 
 import tierstore
-from tierstore.hooks import _TOP_HOOKS
+from tierstore.hooks import _TOP_HOOKS, GREW, MEASURED_EVERY
+from tierstore.store import QUIET_ROOM
 
 from .conftest import assert_empty
 
@@ -66,6 +67,12 @@ class _Watch:
         model[-1].register_forward_pre_hook(lambda m, a: self.tops.append(_TOP_HOOKS(False)))  # type: ignore[misc]
 
 
+def _in_block(store: tierstore.TierStore, fn: Callable[[], Any]) -> Any:
+    """``fn()`` in ``store.offload()``, a block opened at this one line for every call."""
+    with store.offload():
+        return fn()
+
+
 def _steps(
     model: torch.nn.Module,
     store: tierstore.TierStore | None,
@@ -76,11 +83,11 @@ def _steps(
     out = []
     for step in range(first, first + steps):
         torch.manual_seed(100 + step)  # dropout masks, alike with and without the store
+        rows = batch(step)
         if store is None:
-            loss = model(batch(step)).square().mean()
+            loss = model(rows).square().mean()
         else:
-            with store.offload():
-                loss = model(batch(step)).square().mean()
+            loss = _in_block(store, lambda: model(rows).square().mean())  # noqa: B023
         loss.backward()
         out.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
         model.zero_grad(set_to_none=True)
@@ -124,12 +131,10 @@ def test_an_inplace_change_in_a_quiet_block_raises_as_eager_does(spill_root: Pat
     store = _store(spill_root)
     x = torch.randn(64, requires_grad=True)
     for _ in range(3):
-        with store.offload():
-            y = x.sin().exp()
-        y.sum().backward()
-    with store.offload():
-        y = x.sin().exp()  # exp saves its output, autograd's own once the block is quiet
-        assert _TOP_HOOKS(False) is None  # type: ignore[misc]
+        _in_block(store, lambda: x.sin().exp()).sum().backward()
+    # exp saves its output, autograd's own once the block is quiet.
+    y, top = _in_block(store, lambda: (x.sin().exp(), _TOP_HOOKS(False)))  # type: ignore[misc]
+    assert top is None
     with torch.no_grad():
         y.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -141,20 +146,18 @@ def test_retain_graph_and_double_backward_in_quiet_blocks(spill_root: Path) -> N
     store = _store(spill_root)
     x = torch.randn(32, requires_grad=True)
     for _ in range(3):
-        with store.offload():
-            y = x.sin().exp().sum()
-        y.backward()
+        _in_block(store, lambda: x.sin().exp().sum()).backward()
     x.grad = None
-    with store.offload():
-        y = x.sin().exp().sum()
+    y = _in_block(store, lambda: x.sin().exp().sum())
     y.backward(retain_graph=True)
     first = x.grad.clone()  # type: ignore[union-attr]
     y.backward()
     assert torch.equal(x.grad, 2 * first)  # type: ignore[arg-type]
     x.grad = None
     for _ in range(3):
-        with store.offload():
-            (g,) = torch.autograd.grad(x.sin().exp().sum(), x, create_graph=True)
+        (g,) = _in_block(
+            store, lambda: torch.autograd.grad(x.sin().exp().sum(), x, create_graph=True)
+        )
         g.sum().backward()
     x_grad = x.grad.clone()  # type: ignore[union-attr]
     x.grad = None
@@ -164,8 +167,9 @@ def test_retain_graph_and_double_backward_in_quiet_blocks(spill_root: Path) -> N
     store.close()
 
 
-def test_a_step_the_room_holds_once_but_not_twice_is_measured(spill_root: Path) -> None:
-    # 16 rows save 11.5 KiB past the parameters: within 20 KiB, not twice over.
+def test_a_step_that_fills_a_share_of_the_room_is_measured(spill_root: Path) -> None:
+    # 16 rows save 14.5 KiB past the parameters: within 20 KiB, but not
+    # QUIET_ROOM times over.
     store = _store(spill_root, device_budget=20 << 10)
     model = _model()
     watch = _Watch(store, model)
@@ -176,10 +180,12 @@ def test_a_step_the_room_holds_once_but_not_twice_is_measured(spill_root: Path) 
 
 
 def test_another_batch_size_is_measured_and_keeps_the_budget(spill_root: Path) -> None:
-    store = _store(spill_root, device_budget=64 << 10)
+    # 16 rows save 14.5 KiB past the parameters, 256 rows 16 times that.
+    assert QUIET_ROOM * 14848 <= 128 << 10 < 16 * 14848
+    store = _store(spill_root, device_budget=128 << 10)
     model = _model()
     watch = _Watch(store, model)
-    big = lambda step: _batch(step, rows=256)  # noqa: E731  184 KiB: past the budget
+    big = lambda step: _batch(step, rows=256)  # noqa: E731  232 KiB: past the budget
     _steps(model, store, 3)
     assert watch.packs == 6
     _same(_steps(model, store, 2, first=3, batch=big), _steps(_model(), None, 5, batch=big)[3:])
@@ -189,6 +195,33 @@ def test_another_batch_size_is_measured_and_keeps_the_budget(spill_root: Path) -
     # Back to 16 rows: measured after a step that did not fit, then quiet.
     _same(_steps(model, store, 3, first=5), _steps(_model(), None, 8)[5:])
     assert watch.packs == 4 * 6
+    store.close()
+
+
+def test_blocks_opened_at_two_places_are_measured(spill_root: Path) -> None:
+    # Two models fed the same batch (an actor and a critic): the same first
+    # save, not the same block.
+    store = _store(spill_root)
+    actor, critic = _model(0), torch.nn.Sequential(*_model(1), torch.nn.Linear(8, 512))
+    watch = _Watch(store, actor)
+    critic_watch = [0]
+    critic[-1].register_forward_pre_hook(lambda m, a: critic_watch.__setitem__(0, 1))
+    for step in range(3):
+        with store.offload():
+            actor(_batch(step)).square().mean().backward()
+        with store.offload():
+            critic(_batch(step)).square().mean().backward()
+    assert watch.tops == [watch.tops[0]] * 3 and watch.tops[0] is not None
+    assert store._manager.pack_tally().counts["device_budget"][0] > 0
+    store.close()
+
+
+def test_one_step_in_every_measured_every_is_measured(spill_root: Path) -> None:
+    store = _store(spill_root)
+    model = _model()
+    watch = _Watch(store, model)
+    _steps(model, store, 1 + MEASURED_EVERY)
+    assert watch.packs == 2 * 6  # the first step, and one after MEASURED_EVERY - 1 quiet ones
     store.close()
 
 
@@ -228,19 +261,118 @@ def test_keep_inside_a_quiet_block_puts_the_hooks_back_for_its_saves(spill_root:
     store = _store(spill_root)
     model = _model()
     _steps(model, store, 3)
-    with store.offload():
+    seen: dict[str, Any] = {}
+
+    def forward() -> torch.Tensor:
         h = model[:2](_batch(3))
         with tierstore.keep(tier="disk"):
-            inside = _TOP_HOOKS(False)  # type: ignore[misc]
+            seen["inside"] = _TOP_HOOKS(False)  # type: ignore[misc]
             out = model[2:](h)
-        after = _TOP_HOOKS(False)  # type: ignore[misc]
-        on_disk = store.stats().tiers["disk"].entries
-    assert inside is not None and after is None
-    assert on_disk == 2  # dropout's mask and the last Linear's input; its weight stays
+        seen["after"] = _TOP_HOOKS(False)  # type: ignore[misc]
+        seen["on_disk"] = store.stats().tiers["disk"].entries
+        return out
+
+    out = _in_block(store, forward)
+    assert seen["inside"] is not None and seen["after"] is None
+    assert seen["on_disk"] == 2  # dropout's mask and the last Linear's input; its weight stays
     out.square().mean().backward()
     assert _TOP_HOOKS(False) is None  # type: ignore[misc]
     assert store._next_quiet is None  # a block that ran keep() is not repeated
     assert_empty(store)
+    store.close()
+
+
+def test_keep_under_a_checkpoint_in_a_quiet_block_leaves_it_to_the_checkpoint(
+    spill_root: Path,
+) -> None:
+    # A keep() region inside a checkpointed function: checkpoint's hooks take
+    # its saves, as they do over the store's hooks; the store's pushed over
+    # them would take saves checkpoint needs to match in its recompute.
+    store = _store(spill_root)
+    model = _model(p=0.0)
+
+    def inner(h: torch.Tensor) -> torch.Tensor:
+        with tierstore.keep():
+            return model[2:](h.exp())
+
+    def forward(rows: torch.Tensor) -> torch.Tensor:
+        h = model[:2](rows)
+        return torch.utils.checkpoint.checkpoint(inner, h, use_reentrant=False).square().mean()
+
+    ours, eager = [], []
+    for step in range(4):
+        rows = _batch(step)
+        _in_block(store, lambda: forward(rows)).backward()  # noqa: B023
+        ours.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        model.zero_grad(set_to_none=True)
+        forward(rows).backward()
+        eager.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        model.zero_grad(set_to_none=True)
+    _same(ours, eager)
+    assert _TOP_HOOKS(False) is None  # type: ignore[misc]
+    store.close()
+
+
+def test_keep_inside_another_stores_block_in_a_quiet_block_is_that_stores(
+    spill_root: Path,
+) -> None:
+    outer, inner = _store(spill_root), _store(spill_root, device_budget=0)
+    model = _model()
+    _steps(model, outer, 3)
+
+    def forward() -> torch.Tensor:
+        h = model[:2](_batch(3))
+        with inner.offload(), tierstore.keep(tier="disk"):
+            return model[2:](h)
+
+    out = _in_block(outer, forward)
+    assert inner.stats().tiers["disk"].entries == 2  # the inner block wins, as ever
+    assert outer.stats().tiers["disk"].entries == 0
+    out.square().mean().backward()
+    assert _TOP_HOOKS(False) is None  # type: ignore[misc]
+    outer.close()
+    inner.close()
+
+
+def test_a_keep_region_that_outlives_a_quiet_block_leaves_the_stack_balanced(
+    spill_root: Path,
+) -> None:
+    store = _store(spill_root)
+    model = _model()
+    _steps(model, store, 3)
+    region = tierstore.keep(tier="disk")
+
+    def forward() -> torch.Tensor:
+        out = model(_batch(3))
+        region.__enter__()  # left open past the block: a misuse, not a corruption
+        assert _TOP_HOOKS(False) is not None  # type: ignore[misc]
+        return out
+
+    _in_block(store, forward).sum().backward()
+    assert _TOP_HOOKS(False) is None  # type: ignore[misc]  the block's pop took the region's
+    region.__exit__(None, None, None)
+    assert _TOP_HOOKS(False) is None  # type: ignore[misc]
+    assert tierstore.hooks._local.quiet is None and tierstore.hooks._local.tier is None
+    x = torch.randn(8, requires_grad=True)
+    with tierstore.keep(tier="disk"):  # outside every block: changes nothing
+        x.exp().sum().backward()
+    assert store.stats().tiers["disk"].entries == 0
+    store.close()
+
+
+def test_keep_where_hooks_are_disabled_leaves_no_tier_behind(spill_root: Path) -> None:
+    store = _store(spill_root)
+    model = _model()
+    _steps(model, store, 3)
+
+    def forward() -> torch.Tensor:
+        out = model(_batch(3))
+        with torch.autograd.graph.disable_saved_tensors_hooks("off"), tierstore.keep():
+            pass
+        return out
+
+    _in_block(store, forward).sum().backward()
+    assert tierstore.hooks._local.tier is None
     store.close()
 
 
@@ -282,8 +414,7 @@ def test_the_step_log_sees_every_quiet_step(
     model = _model()
     with caplog.at_level(logging.INFO, logger="tierstore"):
         _steps(model, store, 5)
-        with store.offload():  # the sixth step ends the fifth
-            model(_batch(5)).sum().backward()
+        _in_block(store, lambda: model(_batch(5)).sum())  # the sixth step ends the fifth
     assert len([r for r in caplog.records if r.name == "tierstore"]) == 5
     store.close()
 
@@ -295,14 +426,38 @@ def test_one_block_a_step_goes_quiet(spill_root: Path) -> None:
     _steps(model, store, 3)
     assert watch.packs == 6
     torch.manual_seed(0)
-    with store.offload():
-        a = model(_batch(3)).square().mean()
-    with store.offload():  # the same first save, in the same step: measured
-        b = model(_batch(3)).square().mean()
+    rows = _batch(3)
+    a = _in_block(store, lambda: model(rows).square().mean())
+    b = _in_block(store, lambda: model(rows).square().mean())  # the same step: measured
     assert watch.packs == 2 * 6
     (a + b).backward()
     assert store.stats().packed == 5 * 6
     model.zero_grad(set_to_none=True)
     _steps(model, store, 2, first=4)  # a step of two blocks is not repeated: measured first
     assert watch.packs == 3 * 6
+    store.close()
+
+
+def test_a_quiet_block_that_left_more_device_memory_is_not_repeated(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On CUDA the allocator's count of allocated bytes shows what a quiet
+    # block's saves no longer can; here a fake count, behind the same function.
+    allocated = [0]
+    monkeypatch.setattr(tierstore.hooks, "_device_bytes", lambda device: allocated[0])
+    store = _store(spill_root)
+    model = _model()
+    watch = _Watch(store, model)
+    left = [4 << 20]  # what each forward leaves allocated after its first save
+    model[-1].register_forward_hook(
+        lambda m, a, out: allocated.__setitem__(0, allocated[0] + left[0])
+    )
+    _steps(model, store, 3)
+    assert watch.packs == 6  # measured, then quiet at the same 4 MiB
+    left[0] = int(4 * GREW * (1 << 20))  # within GREW of the measured step (and a MiB)
+    _steps(model, store, 2, first=3)
+    assert watch.packs == 6
+    left[0] = 16 << 20  # grew 4x: the saves behind the first were not those measured
+    _steps(model, store, 2, first=5)
+    assert watch.packs == 2 * 6  # the quiet step that grew is not repeated: measured
     store.close()

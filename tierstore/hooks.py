@@ -33,7 +33,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -139,7 +139,7 @@ class _Local(threading.local):
     replaying = False
     # NOTE [ Quiet blocks ]: the store's hooks a quiet block took off, which a
     # keep() region inside it puts back; whether a keep() region ran.
-    quiet: tuple[Any, Any] | None = None
+    quiet: _Quiet | None = None
     keeps = False
 
 
@@ -214,28 +214,54 @@ def _checked_tier(tier: object, where: str) -> Tier:
     )
 
 
-def _woken() -> tuple[Any, Any] | None:
-    """A keep() region begins: a quiet block's hooks back on for it (NOTE [ Quiet blocks ])."""
+class _Quiet:
+    """A quiet block's hooks, off the stack (NOTE [ Quiet blocks ]).
+
+    ``woken``: a keep() region put them back on top; ``open``: the block is.
+    """
+
+    __slots__ = ("hooks", "open", "woken")
+
+    def __init__(self, hooks: tuple[Any, Any]) -> None:
+        self.hooks = hooks
+        self.open = True
+        self.woken = False
+
+
+def _woken() -> _Quiet | None:
+    """A keep() region begins: a quiet block's hooks back on for it (NOTE [ Quiet blocks ]).
+
+    Only where nothing was pushed over the block since (an inner offload()
+    or a checkpoint takes the saves, as it would over the store's hooks).
+    """
     _local.keeps = True
     quiet = _local.quiet
-    if quiet is not None:
-        torch._C._autograd._push_saved_tensors_default_hooks(*quiet)
-        _local.quiet = None
+    if (
+        quiet is None
+        or quiet.woken
+        or not quiet.open
+        or _TOP_HOOKS(False) is not None  # type: ignore[misc]
+        or not _HOOKS_ENABLED()
+    ):
+        return None
+    torch._C._autograd._push_saved_tensors_default_hooks(*quiet.hooks)
+    quiet.woken = True
     return quiet
 
 
-def _asleep(quiet: tuple[Any, Any] | None) -> None:
-    """A keep() region ends: the hooks :func:`_woken` put back come off again."""
-    if quiet is not None:
-        torch._C._autograd._pop_saved_tensors_default_hooks()
-        _local.quiet = quiet
+def _asleep(quiet: _Quiet | None) -> None:
+    """A keep() region ends: the hooks :func:`_woken` put back come off, if still ours to pop."""
+    if quiet is not None and quiet.woken:
+        quiet.woken = False
+        if quiet.open:  # else the block's close took them off
+            torch._C._autograd._pop_saved_tensors_default_hooks()
 
 
 @contextlib.contextmanager
 def _keeping(tier: Tier) -> Iterator[None]:
     previous = _requested_tier()
-    _local.tier = tier
     quiet = _woken()
+    _local.tier = tier
     try:
         yield
     finally:
@@ -293,8 +319,8 @@ class _KeepModule:
             module.register_forward_hook(self._leave, always_call=True),
         ]
 
-    def _stack(self) -> list[tuple[Tier | None, tuple[Any, Any] | None]]:
-        stack: list[tuple[Tier | None, tuple[Any, Any] | None]] | None = getattr(
+    def _stack(self) -> list[tuple[Tier | None, _Quiet | None]]:
+        stack: list[tuple[Tier | None, _Quiet | None]] | None = getattr(
             self._at_entry, "stack", None
         )
         if stack is None:
@@ -493,6 +519,8 @@ class _Block:
     __slots__ = (
         "alone",
         "before",
+        "device",
+        "device_bytes",
         "first",
         "hooks",
         "names",
@@ -501,6 +529,7 @@ class _Block:
         "outer_regions",
         "pushed",
         "quiet",
+        "where",
     )
 
     def __init__(self, hooks: saved_tensors_hooks, before: PackTally | None) -> None:
@@ -509,9 +538,13 @@ class _Block:
         # NOTE [ Quiet blocks ]: what its first save was (None: none yet, or a
         # block that may not go quiet); the block it repeats, if its hooks are off.
         self.first: tuple[Any, ...] | None = None
-        self.quiet: tuple[tuple[Any, ...], PackTally] | None = None
+        self.quiet: _Repeat | None = None
         self.outer_keeps = False
         self.alone = 0  # the store's blocks opened so far, if no other was open; else 0
+        self.where: tuple[str, int] = ("", 0)  # the code that opened it
+        # Its first save's device, and the bytes allocated there as it was made.
+        self.device: torch.device | None = None
+        self.device_bytes: int | None = None
         self.pushed: Recorder | None = None
         self.outer_recompute = False
         # NOTE [ Recording where a plan rebuilds ]: what the block's regions replaced.
@@ -587,10 +620,13 @@ KeptUsed = Callable[[int], None]
 
 # NOTE [ Quiet blocks ]
 # A save that stays costs a decision and a count (NOTE [ Saves that stay ] in
-# store.py): Python, microseconds per save, most of a small step's time. A
-# step that repeats one whose saves all stayed needs neither, so it runs
-# without the store's hooks after its first save, as a module a plan keeps
-# whole does (NOTE [ Modules kept whole ]). How:
+# store.py): Python, microseconds per save, most of a small step's time
+# (bench overhead's kept row: 6.1 us a save over no hooks, in callgrind 10k
+# instructions a save more than no hooks, well spread over sizing, the
+# budget's count and the hooks themselves). A step that repeats one whose
+# saves all stayed needs neither, so it runs without the store's hooks after
+# its first save, as a module a plan keeps whole does (NOTE [ Modules kept
+# whole ]). How:
 #   * a block that may go quiet begins with a pack hook of its own
 #     (_pack_first): the outermost offload() block of its thread, with no
 #     plan and no recorder (recompute off), no keep() region open, nothing
@@ -598,36 +634,88 @@ KeptUsed = Callable[[int], None]
 #     user's hooks would take the saves the store's had hidden from them),
 #     no tracing, and a torch that reads the stack (2.8 and later);
 #   * its first save decides. The block goes quiet where the step before was
-#     one block (a forward in two blocks is never repeated), that block ran
-#     alone (no other block of the store open in any thread beside it),
-#     moved nothing and ran no keep() region, this save looks as that
-#     block's first did (shape, dtype, device, and its size or why it
-#     stays; a nested or sparse one never matches), and the room
-#     device_budget leaves this step holds that block's bytes twice over.
-#     Then its saves are counted as that block's were
-#     (TierManager.stayed_as_before), the first is kept as it is, and the
-#     hooks come off the stack. Otherwise the store's own hooks take the
-#     first one's place for the rest of the block, which is measured: what
-#     its saves came to is what the next step may repeat;
-#   * a keep() region or keep_module inside a quiet block puts the hooks
-#     back for its length (its tier is the hooks' to carry out; its saves
-#     count beside those of the block repeated, which ran none); the block's
-#     close puts them back for its own pop;
+#     one block (a forward in two blocks is never repeated), which ran alone
+#     (no other block of the store open in any thread beside it), moved
+#     nothing, ran no keep() region and was not itself seen to grow (below);
+#     this block was opened at the same line (_opened_at: two models fed one
+#     batch are two blocks) and its first save looks as that block's did
+#     (shape, dtype, device, and its size or why it stays; a nested or sparse
+#     one never matches); and that block's bytes fit QUIET_ROOM times in the
+#     room device_budget leaves this step. Then its saves are counted as that
+#     block's were (TierManager.stayed_as_before), the first is kept as it
+#     is, and the hooks come off the stack. Otherwise the store's own hooks
+#     take the first one's place for the rest of the block, which is
+#     measured: what its saves came to is what the next step may repeat. One
+#     step in MEASURED_EVERY is measured all the same, and one block a step
+#     goes quiet;
+#   * a keep() region or keep_module inside a quiet block puts the hooks back
+#     on top for its length (its tier is the hooks' to carry out), where
+#     nothing was pushed over the block since: an inner offload() or a
+#     checkpoint takes those saves, as over the store's hooks. The block is
+#     not repeated. The block's close puts the hooks back for its own pop,
+#     unless a keep() region left open past it (a misuse) did: then the pop
+#     is of those, and the region's end pops nothing;
+#   * on CUDA the allocator's count of bytes allocated, read at the first
+#     save and at the close, says what forward left behind it: a quiet block
+#     that left more than GREW times what the measured one did (and a MiB) is
+#     not repeated;
 #   * the first save's unpack counts a backward (NOTE [ Step log ]), which
 #     ends the step at the next block.
 # What a quiet block skips is what NOTE [ Saves that stay ] skips, and the
 # decision and count per save: autograd holds the saves as it does without
 # tierstore, so an in-place change raises autograd's own error, and
 # retain_graph, double backward and threads are autograd's own. What it
-# takes on trust: that a block whose first save is as last step's saves
-# what that block saved. A batch size or sequence length that changes
-# changes the first save, and the block is measured. A block whose saves
-# differ after the same first save (a data-dependent branch, tokens routed
-# to experts) keeps them all on the device, as autograd would, and counts
-# them as before; the room held twice their bytes, so they must more than
-# double before the device holds more than device_budget. A backward that
-# never reaches the first save (autograd.grad for an inner input) ends no
-# step, so the next block is the step's second and is measured.
+# takes on trust: that a block opened at the same line, whose first save is
+# as the measured block's, saves what that block saved. A batch size or
+# sequence length that changes changes the first save, and the block is
+# measured. A block whose saves differ behind the same first save (a
+# decoder's length growing behind an encoder's fixed one, tokens routed to
+# experts) keeps them all on the device, as autograd would, and counts them
+# as measured, for at most MEASURED_EVERY - 1 steps, and on CUDA for one
+# step once forward leaves GREW times the memory: above device_budget only
+# once they pass QUIET_ROOM times what was measured. A backward that never
+# reaches the first save (a teacher run with grad and its output detached,
+# autograd.grad for an inner input) ends no step: the next block is the
+# step's second, and is measured; two steps share one room (saves past it
+# are moved that would have fitted) and one log line.
+
+#: NOTE [ Quiet blocks ]: of the steps that could repeat the one before, one
+#: in this many is measured all the same.
+MEASURED_EVERY = 16
+#: NOTE [ Quiet blocks ]: a quiet block whose device memory grew past the
+#: measured block's by this factor (and a MiB) is not repeated.
+GREW = 1.25
+
+
+class _Repeat(NamedTuple):
+    """A measured block, as a quiet one repeats it (NOTE [ Quiet blocks ])."""
+
+    first: tuple[Any, ...]  # where it was opened and its first save
+    tally: PackTally  # what its saves came to
+    grew: int | None  # the device memory its forward left allocated; None off CUDA
+
+
+def _device_bytes(device: torch.device) -> int | None:
+    """Bytes the caching allocator holds allocated on ``device``; ``None`` off CUDA."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+#: tierstore's own files, and contextlib's: no frame of them opened a block
+#: (NOTE [ Quiet blocks ]).
+_OWN_FILES = (os.path.dirname(os.path.abspath(__file__)), contextlib.__file__)
+
+
+def _opened_at() -> tuple[str, int]:
+    """The file and line of the code that opened an offload() block (NOTE [ Quiet blocks ]).
+
+    The first frame outside tierstore and contextlib: offload_module's and
+    the trainer callbacks' blocks are opened where their module is called.
+    """
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_FILES):
+        frame = frame.f_back
+    return ("", 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+
 
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _HOOKS_ENABLED: Callable[[], bool] = getattr(
@@ -1180,9 +1268,10 @@ class TierStore:
         self._regions = _Regions(everything, self._stays, self._pack)
         # NOTE [ Quiet blocks ]: the block a quiet one repeats (its first save
         # and what its saves came to), for this step and for the next.
-        self._quiet: tuple[tuple[Any, ...], PackTally] | None = None
-        self._next_quiet: tuple[tuple[Any, ...], PackTally] | None = None
+        self._quiet: _Repeat | None = None
+        self._next_quiet: _Repeat | None = None
         self._step_blocks = 0
+        self._quiet_steps = 0  # quiet steps since one was measured
         self._opened = 0  # blocks opened so far, in every thread
         self._open = 0  # and open now
 
@@ -1235,6 +1324,8 @@ class TierStore:
         # go quiet (NOTE [ Quiet blocks ]): it costs a lock.
         watch = may_quiet or (not self._warned and not self._manager.moved)
         block = _Block(None, self._manager.pack_tally() if watch else None)  # type: ignore[arg-type]
+        if may_quiet:
+            block.where = _opened_at()
         pack = functools.partial(self._pack_first, block) if may_quiet else self._pack
         block.hooks = saved_tensors_hooks(pack, self._unpack)
         _buffers.use(+1)
@@ -1330,9 +1421,13 @@ class TierStore:
     def _close_block(self, block: _Block, ok: bool, where: str) -> None:
         """Pop the hooks; warn if nothing left the device (NOTE [ Is it working? ])."""
         try:
-            if block.quiet is not None:  # NOTE [ Quiet blocks ]: hooks back on, for the pop below
-                if _local.quiet is not None:
-                    torch._C._autograd._push_saved_tensors_default_hooks(*_local.quiet)
+            quiet = _local.quiet
+            if block.quiet is not None and quiet is not None:  # NOTE [ Quiet blocks ]
+                # The hooks back on top for the pop below, unless a keep()
+                # region still open put them there: then the pop is of those.
+                if not quiet.woken:
+                    torch._C._autograd._push_saved_tensors_default_hooks(*quiet.hooks)
+                quiet.open = quiet.woken = False
                 _local.quiet = None
             if block.outer_regions is not None:
                 self._regions.restore()  # NOTE [ Modules kept whole ]
@@ -1384,16 +1479,24 @@ class TierStore:
             and not _tracing()
         )
 
-    def _repeatable(self, block: _Block, ok: bool) -> tuple[tuple[Any, ...], PackTally] | None:
+    def _repeatable(self, block: _Block, ok: bool) -> _Repeat | None:
         """What a quiet block may repeat of ``block``, which closed (NOTE [ Quiet blocks ])."""
         if not ok or block.first is None or self._manager.closed:
             return None
-        if block.quiet is not None:
-            return block.quiet
+        grew = None
+        if block.device is not None and block.device_bytes is not None:
+            now = _device_bytes(block.device)
+            grew = None if now is None else now - block.device_bytes
+        repeated = block.quiet
+        if repeated is not None:
+            # Its saves cannot be seen; on CUDA the memory forward left can.
+            if grew is not None and repeated.grew is not None:
+                return None if grew > repeated.grew * GREW + (1 << 20) else repeated
+            return repeated
         if block.before is None:
             return None
         tally = self._manager.pack_tally().since(block.before)
-        return None if tally.moved else (block.first, tally)
+        return None if tally.moved else _Repeat(block.first, tally, grew)
 
     @never_traced
     def _pack_first(
@@ -1406,8 +1509,11 @@ class TierStore:
         if block.first is not None:  # decided; a compiled graph hands its saves over at once
             return (t.detach(), t._version) if block.quiet is not None else self._pack(t)
         nbytes = _sized(t, self._min_bytes)
-        # A nested or sparse tensor has no plain shape: such a block is never repeated.
-        block.first = (t.shape, t.dtype, t.device, nbytes) if nbytes != "layout" else (object(),)
+        if nbytes == "layout":  # nested or sparse: no plain shape, and never repeated
+            block.first = (object(),)
+        else:
+            block.first = (block.where, t.shape, t.dtype, t.device, nbytes)
+            block.device, block.device_bytes = t.device, _device_bytes(t.device)
         top = _TOP_HOOKS(False) if _TOP_HOOKS is not None else None
         if top is None or top[0] is not block.hooks.pack_hook:
             return self._pack(t)  # called other than from the top of the stack
@@ -1416,20 +1522,24 @@ class TierStore:
         quiet = self._quiet
         if (
             quiet is not None
-            and quiet[0] == block.first
+            and quiet.first == block.first
             and _local.tier is None
-            and self._manager.stayed_as_before(quiet[1])
+            and self._manager.stayed_as_before(quiet.tally)
         ):
-            _local.quiet = (self._pack, self._unpack)
+            _local.quiet = _Quiet((self._pack, self._unpack))
             block.quiet, self._quiet = quiet, None  # one quiet block a step
+            self._quiet_steps += 1
             return (t.detach(), t._version)
         autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+        self._quiet_steps = 0
         return self._pack(t)
 
     def _step_ended(self) -> None:
         """NOTE [ Step log ]; with activation_budget, the plan's turn (NOTE [ Planned saves ])."""
-        # NOTE [ Quiet blocks ]: only a step of one block is repeated.
-        self._quiet = self._next_quiet if self._step_blocks == 1 else None
+        # NOTE [ Quiet blocks ]: only a step of one block is repeated, and
+        # one in every MEASURED_EVERY is measured all the same.
+        repeat = self._step_blocks == 1 and self._quiet_steps < MEASURED_EVERY - 1
+        self._quiet = self._next_quiet if repeat else None
         self._next_quiet, self._step_blocks = None, 0
         self._step_unpacks = self._unpacks
         self._steps += 1

@@ -187,6 +187,11 @@ __all__ = ["TierManager", "resting_nbytes"]
 # around them. A drain on the way out or from a finalizer only releases.
 
 
+#: NOTE [ Quiet blocks ] in hooks.py: a block repeats the one before only
+#: where that one's bytes fit this many times in the room device_budget leaves.
+QUIET_ROOM = 8
+
+
 def resting_nbytes(t: torch.Tensor) -> int:
     """Bytes a tensor takes once offloaded: broadcast (stride-0) dimensions count once.
 
@@ -590,11 +595,12 @@ class TierManager:
 
         NOTE [ Quiet blocks ] in hooks.py: only where device_budget's saves may
         stay this step (NOTE [ Saves that stay ]) and the repeated block's fit
-        twice over in the room left; else ``False``, and nothing is counted.
+        :data:`QUIET_ROOM` times over in the room left; else ``False``, and
+        nothing is counted.
         """
         n, nbytes = tally.counts.get("device_budget", (0, 0))
         with self._counts:
-            if self.plans is not None or self._step_bytes + 2 * nbytes > self._room:
+            if self.plans is not None or self._step_bytes + QUIET_ROOM * nbytes > self._room:
                 return False  # a room of -1: this step's saves may not stay
             self._step_bytes += nbytes
             self._stayed_n += n
