@@ -86,6 +86,9 @@ class OverheadRow:
     paired: list[float] = field(default_factory=list)
     #: Python's full garbage collections that ran in the row's timed steps.
     full_collections: int = 0
+    #: Seconds each timed step's store waited for the disk or the write queue
+    #: (stats' unpack_wait_s and pack_wait_s); empty for a row with no store.
+    waits_s: list[float] = field(default_factory=list)
     grads_equal: bool = True
     stats: dict[str, Any] = field(default_factory=dict)
 
@@ -203,6 +206,14 @@ def _paired(steps: list[float], around: list[float]) -> list[float]:
         [2.0, 2.0]
     """
     return [s / math.sqrt(a * b) for s, a, b in zip(steps, around, around[1:], strict=False)]
+
+
+def _waited(store: object) -> float | None:
+    """Seconds ``store`` has waited for the disk and the write queue; ``None`` for no store."""
+    if not isinstance(store, TierStore):
+        return None
+    s = store.stats()
+    return s.unpack_wait_s + s.pack_wait_s
 
 
 def _count_saves(model: torch.nn.Module, x: torch.Tensor) -> int:
@@ -350,8 +361,12 @@ def _measure(
                     row = out[name]
                     around = [timed(none, baseline)]
                     mine = []
+                    store = getattr(ctx, "__self__", None)
                     for _ in range(steps_per_round):
+                        waited = _waited(store)
                         mine.append(timed(ctx, row))
+                        if waited is not None:
+                            row.waits_s.append(_waited(store) - waited)  # type: ignore[operator]
                         around.append(timed(none, baseline))
                     steps, cpu = [w for w, _ in mine], [c for _, c in mine]
                     ref, ref_cpu = [w for w, _ in around], [c for _, c in around]
@@ -476,6 +491,14 @@ def run(args: argparse.Namespace) -> int:
             f"noise left after pairing: identity hooks' mean {control.paired_mean_over_median:.2f}x"
             f" and slowest step {control.paired_max_over_median:.2f}x their median"
         )
+    for r in rows:
+        if r.waits_s and r.paired:
+            i = max(range(len(r.paired)), key=r.paired.__getitem__)
+            print(
+                f"{r.name}: its slowest step waited {r.waits_s[i] * 1e3:.1f} ms for the disk "
+                f"or the write queue (of {(r.steps_s[i] - r.median_s) * 1e3:+.1f} ms over "
+                f"its median); all its steps {sum(r.waits_s) * 1e3:.1f} ms"
+            )
     floor = by["floor"].cpu_us_per_save
     print(
         f"floor: {floor:.1f} us per save (cpu) for hooks that only hold a detached alias and "
