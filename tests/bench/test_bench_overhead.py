@@ -30,8 +30,9 @@ def test_the_json_has_every_row_and_its_figures(tmp_path: Path) -> None:
         assert len(row["paired"]) == 2 * 4
         # A store's waits for the disk and the write queue, step by step.
         has_store = row["name"] not in ("identity", "floor")
-        assert len(row["waits_s"]) == (2 * 4 if has_store else 0)
-        assert all(w >= 0 for w in row["waits_s"])
+        for waits in (row["read_waits_s"], row["write_waits_s"]):
+            assert len(waits) == (2 * 4 if has_store else 0)
+            assert all(w >= 0 for w in waits)
         assert row["full_collections"] >= 0  # counted, where Python ran one in its steps
         assert row["paired_max_over_median"] == max(row["paired"]) / statistics.median(
             row["paired"]

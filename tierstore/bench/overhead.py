@@ -86,9 +86,11 @@ class OverheadRow:
     paired: list[float] = field(default_factory=list)
     #: Python's full garbage collections that ran in the row's timed steps.
     full_collections: int = 0
-    #: Seconds each timed step's store waited for the disk or the write queue
-    #: (stats' unpack_wait_s and pack_wait_s); empty for a row with no store.
-    waits_s: list[float] = field(default_factory=list)
+    #: Seconds each timed step's store waited: backward for disk reads, and
+    #: forward for the write queue (stats' unpack_wait_s, pack_wait_s); empty
+    #: for a row with no store.
+    read_waits_s: list[float] = field(default_factory=list)
+    write_waits_s: list[float] = field(default_factory=list)
     grads_equal: bool = True
     stats: dict[str, Any] = field(default_factory=dict)
 
@@ -208,12 +210,12 @@ def _paired(steps: list[float], around: list[float]) -> list[float]:
     return [s / math.sqrt(a * b) for s, a, b in zip(steps, around, around[1:], strict=False)]
 
 
-def _waited(store: object) -> float | None:
-    """Seconds ``store`` has waited for the disk and the write queue; ``None`` for no store."""
+def _waited(store: object) -> tuple[float, float] | None:
+    """Seconds ``store`` has waited for reads and for the write queue; ``None`` for no store."""
     if not isinstance(store, TierStore):
         return None
     s = store.stats()
-    return s.unpack_wait_s + s.pack_wait_s
+    return s.unpack_wait_s, s.pack_wait_s
 
 
 def _count_saves(model: torch.nn.Module, x: torch.Tensor) -> int:
@@ -366,7 +368,9 @@ def _measure(
                         waited = _waited(store)
                         mine.append(timed(ctx, row))
                         if waited is not None:
-                            row.waits_s.append(_waited(store) - waited)  # type: ignore[operator]
+                            reads, writes = _waited(store)  # type: ignore[misc]
+                            row.read_waits_s.append(reads - waited[0])
+                            row.write_waits_s.append(writes - waited[1])
                         around.append(timed(none, baseline))
                     steps, cpu = [w for w, _ in mine], [c for _, c in mine]
                     ref, ref_cpu = [w for w, _ in around], [c for _, c in around]
@@ -492,12 +496,13 @@ def run(args: argparse.Namespace) -> int:
             f" and slowest step {control.paired_max_over_median:.2f}x their median"
         )
     for r in rows:
-        if r.waits_s and r.paired:
+        if r.read_waits_s and r.paired:
             i = max(range(len(r.paired)), key=r.paired.__getitem__)
             print(
-                f"{r.name}: its slowest step waited {r.waits_s[i] * 1e3:.1f} ms for the disk "
-                f"or the write queue (of {(r.steps_s[i] - r.median_s) * 1e3:+.1f} ms over "
-                f"its median); all its steps {sum(r.waits_s) * 1e3:.1f} ms"
+                f"{r.name}: its slowest step ({(r.steps_s[i] - r.median_s) * 1e3:+.1f} ms over "
+                f"its median) waited {r.read_waits_s[i] * 1e3:.1f} ms for reads and "
+                f"{r.write_waits_s[i] * 1e3:.1f} ms for the write queue; all its steps "
+                f"{sum(r.read_waits_s) * 1e3:.1f} and {sum(r.write_waits_s) * 1e3:.1f} ms"
             )
     floor = by["floor"].cpu_us_per_save
     print(
