@@ -464,3 +464,49 @@ def test_a_block_the_plan_keeps_whole_runs_without_hooks_on_cuda(tmp_path: Path)
         eager.zero_grad(set_to_none=True)
     assert store.plan() is not None and tops[-1] is None
     store.close()
+
+
+def test_quiet_steps_on_cuda_see_forward_memory_grow(spill_root: Path) -> None:
+    # NOTE [ Quiet blocks ]: a repeated step runs without hooks after its
+    # first save; on CUDA the allocator's count shows a quiet forward that
+    # left more behind than the step measured, and the next is measured.
+    # 4 GiB: the step with 256 MiB more saved still fits QUIET_ROOM (8) times.
+    store = tierstore.TierStore(_host(device_budget="4GiB"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)).to(CUDA)
+    packs = [0]
+    original = store._pack
+
+    def pack(t: torch.Tensor) -> Any:
+        packs[0] += 1
+        return original(t)
+
+    store._pack = pack  # type: ignore[method-assign]
+    extra = [0]  # columns of a wider tensor forward saves behind the same first save
+
+    def step() -> list[torch.Tensor]:
+        x = torch.randn(64, 256, device=CUDA, generator=torch.Generator(CUDA).manual_seed(1))
+        with store.offload():
+            h = model(x)
+            if extra[0]:  # exp saves its output: one save more, far more bytes
+                w = torch.randn(64, extra[0], device=CUDA, requires_grad=True)
+                h = h + w.exp().sum()
+            loss = h.square().mean()
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    first = step()
+    per_step = packs[0]
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(step(), first, strict=True))
+    assert packs[0] == per_step  # quiet: only the first save of each took _pack_first
+    extra[0] = 1 << 20  # 256 MiB more saved, behind the same first save
+    step()
+    assert packs[0] == per_step  # quiet still: its saves could not be seen
+    step()
+    assert packs[0] == 2 * per_step + 1  # but its forward's memory was: this step measured
+    step()
+    assert packs[0] == 2 * per_step + 1  # and the next repeats the step just measured
+    store.close()
