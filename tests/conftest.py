@@ -148,6 +148,45 @@ def compare_with_eager() -> Callable[..., Any]:
     return run
 
 
+def in_block(store: tierstore.TierStore, fn: Callable[[], Any]) -> Any:
+    """``fn()`` in ``store.offload()``: every call's block opened at this one line.
+
+    A repeated step must be opened where the step it repeats was (NOTE [
+    Quiet blocks ] in tierstore/hooks.py).
+    """
+    with store.offload():
+        return fn()
+
+
+def grads_of_steps(
+    model: torch.nn.Module,
+    store: tierstore.TierStore | None,
+    steps: int,
+    first: int = 0,
+    *,
+    batch: Callable[[int], torch.Tensor],
+) -> list[list[torch.Tensor]]:
+    """Each step's gradients of ``model`` on ``batch(step)``, in ``store``'s block (None: eager)."""
+    out = []
+    for step in range(first, first + steps):
+        torch.manual_seed(100 + step)  # dropout masks, alike with and without the store
+        rows = batch(step)
+        if store is None:
+            loss = model(rows).square().mean()
+        else:
+            loss = in_block(store, lambda: model(rows).square().mean())  # noqa: B023
+        loss.backward()
+        out.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def same_grads(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> None:
+    """Every step's gradients bitwise equal."""
+    for x, y in zip(a, b, strict=True):
+        assert all(torch.equal(p, q) for p, q in zip(x, y, strict=True))
+
+
 def assert_empty(store: tierstore.TierStore) -> None:
     """Every tier back to zero bytes, and no record left in the disk backend."""
     stats = store.stats()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ import tierstore
 from tierstore.handle import Handle
 from tierstore.hooks import _Kept
 
-from .conftest import assert_empty
+from .conftest import assert_empty, grads_of_steps, same_grads
 
 
 @pytest.fixture(autouse=True)
@@ -70,25 +69,7 @@ def _packed(store: tierstore.TierStore) -> list[Any]:
     return seen
 
 
-def _grads(
-    model: torch.nn.Module,
-    store: tierstore.TierStore | None,
-    steps: int,
-    first: int = 0,
-    batch: Callable[[int], torch.Tensor] = _batch,
-) -> list[Any]:
-    out = []
-    for step in range(first, first + steps):
-        torch.manual_seed(100 + step)  # dropout masks, alike with and without the store
-        if store is None:
-            loss = model(batch(step)).square().mean()
-        else:
-            with store.offload():
-                loss = model(batch(step)).square().mean()
-        loss.backward()
-        out.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
-        model.zero_grad(set_to_none=True)
-    return out
+_grads = functools.partial(grads_of_steps, batch=_batch)
 
 
 def _stayed(packed: object) -> torch.Tensor | None:
@@ -100,9 +81,7 @@ def _stayed(packed: object) -> torch.Tensor | None:
     return None
 
 
-def _same(a: list[Any], b: list[Any]) -> None:
-    for x, y in zip(a, b, strict=True):
-        assert all(torch.equal(p, q) for p, q in zip(x, y, strict=True))
+_same = same_grads
 
 
 def test_device_budget_keeps_without_entries_from_the_second_step(spill_root: Path) -> None:

@@ -10,8 +10,8 @@ the room device_budget leaves, one block a step, nothing beneath the hooks.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import tierstore
 from tierstore.hooks import _TOP_HOOKS, GREW, MEASURED_EVERY
 from tierstore.store import QUIET_ROOM
 
-from .conftest import assert_empty
+from .conftest import assert_empty, grads_of_steps, in_block, same_grads
 
 pytestmark = [
     pytest.mark.skipif(_TOP_HOOKS is None, reason="this torch cannot read autograd's hook stack"),
@@ -67,36 +67,8 @@ class _Watch:
         model[-1].register_forward_pre_hook(lambda m, a: self.tops.append(_TOP_HOOKS(False)))  # type: ignore[misc]
 
 
-def _in_block(store: tierstore.TierStore, fn: Callable[[], Any]) -> Any:
-    """``fn()`` in ``store.offload()``, a block opened at this one line for every call."""
-    with store.offload():
-        return fn()
-
-
-def _steps(
-    model: torch.nn.Module,
-    store: tierstore.TierStore | None,
-    steps: int,
-    first: int = 0,
-    batch: Callable[[int], torch.Tensor] = _batch,
-) -> list[list[torch.Tensor]]:
-    out = []
-    for step in range(first, first + steps):
-        torch.manual_seed(100 + step)  # dropout masks, alike with and without the store
-        rows = batch(step)
-        if store is None:
-            loss = model(rows).square().mean()
-        else:
-            loss = _in_block(store, lambda: model(rows).square().mean())  # noqa: B023
-        loss.backward()
-        out.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
-        model.zero_grad(set_to_none=True)
-    return out
-
-
-def _same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> None:
-    for x, y in zip(a, b, strict=True):
-        assert all(torch.equal(p, q) for p, q in zip(x, y, strict=True))
+_steps = functools.partial(grads_of_steps, batch=_batch)
+_same = same_grads
 
 
 def test_a_repeated_step_runs_without_hooks_after_its_first_save(spill_root: Path) -> None:
@@ -131,9 +103,9 @@ def test_an_inplace_change_in_a_quiet_block_raises_as_eager_does(spill_root: Pat
     store = _store(spill_root)
     x = torch.randn(64, requires_grad=True)
     for _ in range(3):
-        _in_block(store, lambda: x.sin().exp()).sum().backward()
+        in_block(store, lambda: x.sin().exp()).sum().backward()
     # exp saves its output, autograd's own once the block is quiet.
-    y, top = _in_block(store, lambda: (x.sin().exp(), _TOP_HOOKS(False)))  # type: ignore[misc]
+    y, top = in_block(store, lambda: (x.sin().exp(), _TOP_HOOKS(False)))  # type: ignore[misc]
     assert top is None
     with torch.no_grad():
         y.mul_(2)
@@ -146,16 +118,16 @@ def test_retain_graph_and_double_backward_in_quiet_blocks(spill_root: Path) -> N
     store = _store(spill_root)
     x = torch.randn(32, requires_grad=True)
     for _ in range(3):
-        _in_block(store, lambda: x.sin().exp().sum()).backward()
+        in_block(store, lambda: x.sin().exp().sum()).backward()
     x.grad = None
-    y = _in_block(store, lambda: x.sin().exp().sum())
+    y = in_block(store, lambda: x.sin().exp().sum())
     y.backward(retain_graph=True)
     first = x.grad.clone()  # type: ignore[union-attr]
     y.backward()
     assert torch.equal(x.grad, 2 * first)  # type: ignore[arg-type]
     x.grad = None
     for _ in range(3):
-        (g,) = _in_block(
+        (g,) = in_block(
             store, lambda: torch.autograd.grad(x.sin().exp().sum(), x, create_graph=True)
         )
         g.sum().backward()
@@ -272,7 +244,7 @@ def test_keep_inside_a_quiet_block_puts_the_hooks_back_for_its_saves(spill_root:
         seen["on_disk"] = store.stats().tiers["disk"].entries
         return out
 
-    out = _in_block(store, forward)
+    out = in_block(store, forward)
     assert seen["inside"] is not None and seen["after"] is None
     assert seen["on_disk"] == 2  # dropout's mask and the last Linear's input; its weight stays
     out.square().mean().backward()
@@ -302,7 +274,7 @@ def test_keep_under_a_checkpoint_in_a_quiet_block_leaves_it_to_the_checkpoint(
     ours, eager = [], []
     for step in range(4):
         rows = _batch(step)
-        _in_block(store, lambda: forward(rows)).backward()  # noqa: B023
+        in_block(store, lambda: forward(rows)).backward()  # noqa: B023
         ours.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
         model.zero_grad(set_to_none=True)
         forward(rows).backward()
@@ -325,7 +297,7 @@ def test_keep_inside_another_stores_block_in_a_quiet_block_is_that_stores(
         with inner.offload(), tierstore.keep(tier="disk"):
             return model[2:](h)
 
-    out = _in_block(outer, forward)
+    out = in_block(outer, forward)
     assert inner.stats().tiers["disk"].entries == 2  # the inner block wins, as ever
     assert outer.stats().tiers["disk"].entries == 0
     out.square().mean().backward()
@@ -348,7 +320,7 @@ def test_a_keep_region_that_outlives_a_quiet_block_leaves_the_stack_balanced(
         assert _TOP_HOOKS(False) is not None  # type: ignore[misc]
         return out
 
-    _in_block(store, forward).sum().backward()
+    in_block(store, forward).sum().backward()
     assert _TOP_HOOKS(False) is None  # type: ignore[misc]  the block's pop took the region's
     region.__exit__(None, None, None)
     assert _TOP_HOOKS(False) is None  # type: ignore[misc]
@@ -371,7 +343,7 @@ def test_keep_where_hooks_are_disabled_leaves_no_tier_behind(spill_root: Path) -
             pass
         return out
 
-    _in_block(store, forward).sum().backward()
+    in_block(store, forward).sum().backward()
     assert tierstore.hooks._local.tier is None
     store.close()
 
@@ -414,7 +386,7 @@ def test_the_step_log_sees_every_quiet_step(
     model = _model()
     with caplog.at_level(logging.INFO, logger="tierstore"):
         _steps(model, store, 5)
-        _in_block(store, lambda: model(_batch(5)).sum())  # the sixth step ends the fifth
+        in_block(store, lambda: model(_batch(5)).sum())  # the sixth step ends the fifth
     assert len([r for r in caplog.records if r.name == "tierstore"]) == 5
     store.close()
 
@@ -427,8 +399,8 @@ def test_one_block_a_step_goes_quiet(spill_root: Path) -> None:
     assert watch.packs == 6
     torch.manual_seed(0)
     rows = _batch(3)
-    a = _in_block(store, lambda: model(rows).square().mean())
-    b = _in_block(store, lambda: model(rows).square().mean())  # the same step: measured
+    a = in_block(store, lambda: model(rows).square().mean())
+    b = in_block(store, lambda: model(rows).square().mean())  # the same step: measured
     assert watch.packs == 2 * 6
     (a + b).backward()
     assert store.stats().packed == 5 * 6

@@ -517,10 +517,9 @@ class _Block:
     """One entered offload block: its hooks, its first tally (or ``None``), its recompute state."""
 
     __slots__ = (
+        "allocated",
         "alone",
         "before",
-        "device",
-        "device_bytes",
         "first",
         "hooks",
         "names",
@@ -532,8 +531,9 @@ class _Block:
         "where",
     )
 
-    def __init__(self, hooks: saved_tensors_hooks, before: PackTally | None) -> None:
-        self.hooks = hooks
+    hooks: saved_tensors_hooks  # set once made: a quiet block's first pack hook holds the block
+
+    def __init__(self, before: PackTally | None) -> None:
         self.before = before
         # NOTE [ Quiet blocks ]: what its first save was (None: none yet, or a
         # block that may not go quiet); the block it repeats, if its hooks are off.
@@ -542,9 +542,8 @@ class _Block:
         self.outer_keeps = False
         self.alone = 0  # the store's blocks opened so far, if no other was open; else 0
         self.where: tuple[str, int] = ("", 0)  # the code that opened it
-        # Its first save's device, and the bytes allocated there as it was made.
-        self.device: torch.device | None = None
-        self.device_bytes: int | None = None
+        # Its first save's device, and the bytes allocated there as it was made (CUDA).
+        self.allocated: tuple[torch.device, int] | None = None
         self.pushed: Recorder | None = None
         self.outer_recompute = False
         # NOTE [ Recording where a plan rebuilds ]: what the block's regions replaced.
@@ -1323,7 +1322,7 @@ class TierStore:
         # Only while the warning could still be due, or for a block that may
         # go quiet (NOTE [ Quiet blocks ]): it costs a lock.
         watch = may_quiet or (not self._warned and not self._manager.moved)
-        block = _Block(None, self._manager.pack_tally() if watch else None)  # type: ignore[arg-type]
+        block = _Block(self._manager.pack_tally() if watch else None)
         if may_quiet:
             block.where = _opened_at()
         pack = functools.partial(self._pack_first, block) if may_quiet else self._pack
@@ -1484,9 +1483,10 @@ class TierStore:
         if not ok or block.first is None or self._manager.closed:
             return None
         grew = None
-        if block.device is not None and block.device_bytes is not None:
-            now = _device_bytes(block.device)
-            grew = None if now is None else now - block.device_bytes
+        if block.allocated is not None:
+            device, then = block.allocated
+            now = _device_bytes(device)
+            grew = None if now is None else now - then
         repeated = block.quiet
         if repeated is not None:
             # Its saves cannot be seen; on CUDA the memory forward left can.
@@ -1513,7 +1513,9 @@ class TierStore:
             block.first = (object(),)
         else:
             block.first = (block.where, t.shape, t.dtype, t.device, nbytes)
-            block.device, block.device_bytes = t.device, _device_bytes(t.device)
+            allocated = _device_bytes(t.device)
+            if allocated is not None:
+                block.allocated = t.device, allocated
         top = _TOP_HOOKS(False) if _TOP_HOOKS is not None else None
         if top is None or top[0] is not block.hooks.pack_hook:
             return self._pack(t)  # called other than from the top of the stack
