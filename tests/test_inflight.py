@@ -23,7 +23,7 @@ import tierstore
 from tierstore import codec, readahead, writebehind
 from tierstore.backends.file import FileBackend
 from tierstore.pipeline import LinkClock, Pipeline
-from tierstore.store import TierManager
+from tierstore.store import POOLED_MIN_BYTES, TierManager
 from tierstore.transfers import Transfers
 
 from .conftest import FailingBackward, buffers_in_use, reads_done_at_once
@@ -466,10 +466,17 @@ def test_tensors_backward_still_holds_count_against_the_window(spill_root: Path)
 
 def test_a_rebuilt_tensor_counts_against_the_window_while_it_lives(spill_root: Path) -> None:
     with _manager(spill_root) as m:
-        out = m.empty((4, 1024), (1024, 1), torch.float32, torch.device("cpu"))
+        out = m.empty((16, 1024), (1024, 1), torch.float32, torch.device("cpu"))
         assert out is not None
-        assert _outstanding(m) == 16 << 10
+        assert _outstanding(m) == 64 << 10 == POOLED_MIN_BYTES
         del out
+        assert _outstanding(m) == 0
+
+
+def test_a_rebuilt_tensor_under_pooled_min_bytes_comes_from_the_heap(spill_root: Path) -> None:
+    # A lease costs more than the op that fills a tensor this small (POOLED_MIN_BYTES).
+    with _manager(spill_root) as m:
+        assert m.empty((16, 1023), (1023, 1), torch.float32, torch.device("cpu")) is None
         assert _outstanding(m) == 0
 
 

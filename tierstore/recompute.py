@@ -155,6 +155,10 @@ def never_traced(fn: _HookT) -> _HookT:
 #: Guards _Origin.node (NOTE [ Recompute under threads ]).
 _nodes_lock = threading.Lock()
 
+#: Whether autocast is on for any device; torch.autocast(enabled=False) where
+#: it is unknown (a torch without this query).
+_any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
 #: The most ops a chain of never-saved intermediates may span.
 MAX_DEPTH = 8
 
@@ -353,7 +357,7 @@ class _Origin:
                 packed = ref()
                 if packed is None:
                     return None
-                if type(packed) is Recipe and packed._view is not None:
+                if type(packed) is Recipe and type(packed._node) is _GraphNode:
                     return None  # made from the graph, where no recorder ran
                 if type(packed) is Recipe:  # its node serves both
                     leaves.append(_Input(packed._node, packed._index))
@@ -469,8 +473,10 @@ class _Node(_Shared):
 # a buffer from the store (same kernel, same layout: the same bits; tested
 # for every op of CHEAP_OPS that has one; an op with several outputs, such as
 # native_layer_norm, gets the others in fresh tensors of the layouts forward
-# gave them). Views, ops without a matching out= overload, intermediates and
-# CUDA tensors keep the functional op.
+# gave them). Views, ops without a matching out= overload, intermediates,
+# CUDA tensors and tensors under POOLED_MIN_BYTES (tierstore/store.py: a
+# lease costs more Python than the op that fills one, and glibc's heap
+# reuses so small a chunk within the step) keep the functional op.
 @functools.cache
 def _out_overload(func: Any) -> tuple[Any, tuple[str, ...]] | None:
     """``func``'s out= overload, taking its arguments plus one out= per output, and their names."""
@@ -587,7 +593,7 @@ class Recipe(Saved):
 
     def __init__(
         self,
-        node: _Node,
+        node: _Node | _GraphNode,
         index: int | None,
         t: torch.Tensor,
         nbytes: int,
@@ -596,7 +602,8 @@ class Recipe(Saved):
         view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None,
     ) -> None:
         super().__init__(t)
-        node.add_use()
+        if type(node) is _Node:  # a graph node has this recipe alone for its user
+            node.add_use()
         self._node = node
         self._index = index
         self.nbytes = nbytes
@@ -628,7 +635,10 @@ class Recipe(Saved):
             buf: torch.Tensor | None = empty(shape, stride, self.dtype, self.device)
             return buf
 
-        with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
+        if torch.is_grad_enabled() or _any_autocast():  # create_graph=True, or under autocast
+            with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
+                out = self._node.value((alloc, self._index))
+        else:  # as backward runs: neither context needed, and each costs microseconds
             out = self._node.value((alloc, self._index))
         t: torch.Tensor = out if self._index is None else out[self._index]
         if view is not None:
@@ -657,6 +667,32 @@ class Recipe(Saved):
         return f"Recipe({self._node.func}, shape={self.shape}, dtype={self.dtype})"
 
 
+class _GraphNode:
+    """The op a recipe read off the autograd graph runs again: NOTE [ Rebuilt from the graph ].
+
+    Its recipe is its only user, so unlike a recorded :class:`_Node` it
+    shares nothing: no cache, no lock, no argument tree to rebuild.
+    """
+
+    __slots__ = ("func", "inputs", "kwargs")
+
+    def __init__(self, func: Any, inputs: list[_Input], kwargs: dict[str, Any]) -> None:
+        self.func = func
+        self.inputs = inputs
+        self.kwargs = kwargs
+
+    def value(self, alloc: _Alloc | None = None) -> Any:
+        """The op's output, made now (into ``alloc``'s memory if it gives some)."""
+        args = [_value(leaf) for leaf in self.inputs]
+        if alloc is not None:  # NOTE [ Rebuilt tensors in the store's memory ]
+            found = _out_overload(self.func)
+            if found is not None and len(found[1]) == 1:
+                buf = alloc[0]()
+                if buf is not None:
+                    return found[0](*args, **self.kwargs, out=buf)
+        return self.func(*args, **self.kwargs)
+
+
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
@@ -674,7 +710,9 @@ def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
 # graph_recipe() reads the node (its type names the op; its raw saved
 # variables' .data gives the packed inputs without unpacking them) and
 # returns a Recipe that runs the op again in backward and takes the saved
-# view of its output: one lookup per rebuilt save, no Python per op.
+# view of its output: one lookup per rebuilt save, no Python per op. Its
+# node (_GraphNode) has that recipe alone for its user, so it holds no
+# cache and no lock, and backward calls the op straight.
 # It makes one only where that is exact:
 #   * the op is in GRAPH_OPS: deterministic, out of place, every argument
 #     held by its node (LayerNorm's node lacks eps, so it is not);
@@ -786,8 +824,7 @@ def graph_recipe(
     for leaf in leaves:  # this node is one more user of each stored input's read
         if isinstance(leaf.source, _Shared):
             leaf.source.add_use()
-    leaves += [getattr(node, "_saved_" + name) for name in others]
-    node_of = _Node(func, ((None,) * len(leaves), others), leaves, ())
+    node_of = _GraphNode(func, leaves, {name: getattr(node, "_saved_" + name) for name in others})
     base = t._base
     if base is None:
         return Recipe(node_of, None, t, nbytes, 1)

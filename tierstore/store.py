@@ -29,6 +29,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
+import math
 import os
 import threading
 import time
@@ -187,6 +188,14 @@ __all__ = ["TierManager", "resting_nbytes"]
 # around them. A drain on the way out or from a finalizer only releases.
 
 
+#: The smallest rebuilt tensor :meth:`TierManager.empty` gives memory of the
+#: store's own (NOTE [ Rebuilt tensors in the store's memory ] in recompute.py):
+#: a leased buffer costs a rebuild about 15 us of Python (the pool's lock, a
+#: window over the block, a finalizer), more than the op that fills a tensor
+#: this small, while glibc serves one from its heap's free lists, which the
+#: step's next allocation of that size takes again.
+POOLED_MIN_BYTES = 64 << 10
+
 #: NOTE [ Quiet blocks ] in hooks.py: a block repeats the one before only
 #: where that one's bytes fit this many times in the room device_budget leaves.
 QUIET_ROOM = 8
@@ -275,7 +284,7 @@ class TierManager:
         self._step_bytes = 0  # offloadable bytes saved this step (the hooks ask stays())
         self._stayed_n = 0  # of them, saves that stayed by device_budget without an entry
         self._stayed = 0  # and their bytes, once one did not: till then, all of _step_bytes
-        self._recomputed = 0
+        self._recomputed = 0  # saves rebuilt in backward, and their bytes; under _counts
         self._recomputed_bytes = 0
         self._restrided_views = 0  # NOTE [ Spans ] in codec.py: views that come back dense
         self._copy_wait_s = 0.0  # forward's waits for D2H copies (NOTE [ Copies in flight ])
@@ -476,11 +485,13 @@ class TierManager:
     def _let_go(self, nbytes: int, device: torch.device) -> None:
         """Bytes of a save that left ``device``'s memory: counted by a planned CPU step.
 
-        NOTE [ Handing the heap back ] in tierstore/backends/host.py. Under the lock.
+        NOTE [ Handing the heap back ] in tierstore/backends/host.py. Under
+        ``_counts``, which rebuilt saves count under without the manager's lock.
         """
         plans = self.plans
         if plans is not None and device.type == "cpu" and plans.hands_back():
-            self._transfers.let_go(nbytes, plans.budget_bytes_now())
+            with self._counts:
+                self._transfers.let_go(nbytes, plans.budget_bytes_now())
 
     def get(self, handle: Handle) -> torch.Tensor:
         """The tensor ``handle`` refers to, on its original device, shape and strides.
@@ -647,11 +658,12 @@ class TierManager:
 
         On a CPU, a leased pool buffer that returns when the tensor's storage is
         freed, as disk reads land (the heap when the pool is full); ``None`` for
-        another device. Like a read, it counts against the prefetch window
-        while it lives (NOTE [ Prefetch ] in readahead.py).
+        another device, or one under :data:`POOLED_MIN_BYTES`. Like a read,
+        it counts against the prefetch window while it lives (NOTE [ Prefetch ]
+        in readahead.py).
         """
         alloc = self._transfers.allocator(device)
-        if alloc is None:
+        if alloc is None or math.prod(shape) * dtype.itemsize < POOLED_MIN_BYTES:
             return None
         with self._locked():
             self.check_open()
@@ -664,14 +676,14 @@ class TierManager:
         ``device``: theirs (a planned step counts a CPU tensor's bytes as let
         go: NOTE [ Handing the heap back ] in tierstore/backends/host.py).
         """
-        with self._locked():
-            self._packed += n
+        # No entry, so not the manager's lock: counted as kept saves are
+        # (NOTE [ Saves that stay ]).
+        with self._counts:
             self._recomputed += n
             self._recomputed_bytes += nbytes
-            with self._counts:
-                self.tally.add("recomputed", nbytes, n)
-            if device is not None:
-                self._let_go(nbytes, device)
+            self.tally.add("recomputed", nbytes, n)
+        if device is not None:
+            self._let_go(nbytes, device)
 
     def pack_tally(self) -> PackTally:
         """A snapshot of the saves by where they went (NOTE [ Is it working? ])."""
@@ -729,6 +741,8 @@ class TierManager:
         backend = self._pipeline.backend_if_open
         reads, writes = self._reads, self._writes
         kept, kept_bytes = self._kept_totals()
+        with self._counts:
+            recomputed, recomputed_bytes = self._recomputed, self._recomputed_bytes
         return Stats(
             tiers={
                 name: TierStats(
@@ -740,12 +754,12 @@ class TierManager:
                 )
                 for name, s in self._tiers.items()
             },
-            packed=self._packed + kept,
+            packed=self._packed + kept + recomputed,
             deduplicated=self._deduplicated,
             kept=kept,
             kept_bytes=kept_bytes,
-            recomputed=self._recomputed,
-            recomputed_bytes=self._recomputed_bytes,
+            recomputed=recomputed,
+            recomputed_bytes=recomputed_bytes,
             restrided_views=self._restrided_views,
             prefetch_hits=reads.hits,
             prefetch_misses=reads.misses,
