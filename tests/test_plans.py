@@ -453,6 +453,38 @@ def test_one_info_line_per_plan(
     assert all("predicted step" in line for line in lines)
 
 
+def test_a_check_on_a_cpu_leaves_out_the_time_between_steps(
+    spill_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # NOTE [ Like with like ]: profiled back to back, then planned with a pause
+    # between steps far longer than a step (an evaluation, a slow loader): no
+    # check charges it to the plan, which is neither remade nor made to predict it.
+    torch.manual_seed(0)
+    layers = [m for _ in range(20) for m in (torch.nn.Linear(64, 64), torch.nn.GELU())]
+    model, x, pause = torch.nn.Sequential(*layers), torch.randn(32, 64), 0.2
+    config = tierstore.TierConfig(activation_budget=0.5, disk_path=spill_root, min_offload_bytes=0)
+    with tierstore.TierStore(config) as store, caplog.at_level(logging.INFO, logger="tierstore"):
+
+        def step() -> None:
+            with store.offload():
+                model(x).square().mean().backward()
+
+        for _ in range(3):  # the warm-up, the profile, the first planned step
+            step()
+        plan = store.plan()
+        assert plan is not None and plan.bytes_by_choice()["keep"] < plan.profile.saved_bytes
+        between = plan.profile.between_s
+        assert between is not None and 0 <= between < pause
+        for _ in range(8):
+            time.sleep(pause)
+            step()
+        final = store.plan()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tierstore: plan")]
+    assert not [line for line in lines if "plan remade" in line], lines
+    assert final is not None and final.choices == plan.choices
+    assert final.predicted_step_s < pause
+
+
 def test_without_a_budget_there_is_no_plan(spill_root: Path) -> None:
     with tierstore.TierStore(tierstore.TierConfig(disk_path=spill_root)) as store:
         model = _model()

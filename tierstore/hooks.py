@@ -717,6 +717,9 @@ def _opened_at() -> tuple[str, int]:
 
 
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+#: Autograd's engine: a final callback queued during a backward runs as it ends.
+_ENGINE = torch.autograd.Variable._execution_engine
 _HOOKS_ENABLED: Callable[[], bool] = getattr(
     torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True
 )
@@ -1406,12 +1409,23 @@ class TierStore:
             self._manager.count_kept(nbytes, why, n)  # type: ignore[arg-type]
         return True
 
+    def _backward_began(self, ended: Callable[[], None]) -> None:
+        """A timed step's backward used its first save: its peak, and ``ended()`` as it ends.
+
+        NOTE [ Like with like ] in plans.py: autograd's engine calls ``ended``
+        as this backward ends. An unpack outside a backward (a saved tensor
+        read off its node by hand) has no end to time.
+        """
+        self._manager.backward_began()
+        with contextlib.suppress(RuntimeError):  # "only during backward pass"
+            _ENGINE.queue_callback(ended)
+
     def _kept_used(self, nbytes: int) -> None:
         """Backward reached a module kept whole (NOTE [ Modules kept whole ])."""
         self._unpacks += 1  # NOTE [ Step log ]: a backward ran
         runner = self._runner
         if runner is not None and runner.used(-1, nbytes):
-            self._manager.backward_began()
+            self._backward_began(runner.backward_ended)
 
     def _stays(self, t: torch.Tensor) -> bool:
         """Whether ``t`` stays on the device if saved: a recipe may hold it as it is."""
@@ -1825,14 +1839,14 @@ class TierStore:
         if isinstance(packed, _Kept):  # the short way (NOTE [ Saves that stay ] in store.py)
             if runner is not None:  # a plan-kept save leaves the peak at its first use
                 if runner.used(-1, packed.planned):
-                    self._manager.backward_began()
+                    self._backward_began(runner.backward_ended)
                 packed.planned = 0
             t = packed.tensor
             if t._version != packed.version:
                 raise modified_in_place(tuple(t.shape), t.dtype, t._version, packed.version)
             return t
         if runner is not None and runner.used(packed.key if type(packed) is Handle else -1):
-            self._manager.backward_began()
+            self._backward_began(runner.backward_ended)
         cuda = type(packed) is Handle and packed.device.type == "cuda"
         if cuda and runner is not None and runner.profiling:  # NOTE [ Pricing a moved save first ]
             return _moving(runner, False, self._fetch, packed)

@@ -388,6 +388,11 @@ class Profile:
             ones) per module: ``(module, why, count, bytes)``; and
         stored_in: the modules where keep() stored a save. The hooks layer's
             (NOTE [ Modules kept whole ]); the planner reads neither.
+        between_s: of ``other_s``, the time from the end of backward to the
+            next step's start (the optimizer, the data): what the runner's
+            checks on a CPU hold to the profile's (NOTE [ Like with like ]
+            in tierstore/plans.py); ``None`` where the profiled step's backward
+            was not seen to end. The planner does not read it.
     """
 
     saves: tuple[Save, ...]
@@ -405,6 +410,7 @@ class Profile:
     hand_back_s: float = 0.0
     stays_in: tuple[tuple[str, str, int, int], ...] = ()
     stored_in: tuple[str, ...] = ()
+    between_s: float | None = None
 
     @cached_property
     def spans(self) -> tuple[tuple[str, int, int], ...]:

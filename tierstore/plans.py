@@ -107,6 +107,27 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # remade only when three steps' median leaves it by 10%: re-planning costs
 # time, and a plan that keeps changing cannot be measured.
 
+# NOTE [ Like with like ]
+# A step's time, as the runner measures it, runs from its start to the
+# next step's: the optimizer, the data loader, an evaluation, whatever the
+# loop does between two forwards, are in it, and the profile holds what the
+# profiled step spent there in other_s, which every prediction includes.
+# Were the time between steps to change after the profile, a check would
+# charge the difference to the moved bytes and remake the plan for it: in
+# bench overhead, whose rows take turns with steps of no hooks between
+# them, every budget's second check found its step 50% slow, remade the
+# plan (7 s of a planning process on the second of two cores, its steps
+# 10-25% slower meanwhile) and then predicted 94 ms for a 58 ms step. So
+# the hooks have autograd's engine call backward_ended() as the first
+# backward of each timed step ends (a final callback queued at its first
+# unpack); the profile keeps the part of other_s after that (between_s),
+# and a check on a CPU takes the step as its own span, start to the end of
+# backward, plus the profile's between_s: the same time outside the step
+# on both sides. On CUDA the host reaches the end of backward long before
+# the device does, so there a check still takes the step from start to
+# start (a device profile's other_s is 0 and its first check fits the
+# prediction to what the step does around it: NOTE [ Timing a profile ]).
+
 # NOTE [ Charging a slow step ]
 # A slow step's excess goes to what the profile could not price. On a CPU
 # both the moved bytes (copies and checksums on the step's own cores) and
@@ -478,6 +499,7 @@ class _Step:
     waits_at_start: float = 0.0
     backward_at: object = None  # the mark of backward's first use of a save
     last_use: object = None  # the mark of backward's latest use
+    ended: float | None = None  # perf_counter as its backward ended (NOTE [ Like with like ])
     timer: Timer | None = None  # a profiled step's marks (NOTE [ Timing a profile ])
     following: bool = False  # on its plan so far: choose() takes the short way
     deviated_at: int | None = None  # the save that left the plan, matching no kept one
@@ -536,8 +558,17 @@ for line in sys.stdin:
 """
 
 
-#: Profile fields the planning process is not sent (the planner reads neither).
-_HOOKS_ONLY = ("stays_in", "stored_in")
+#: Profile fields the planning process is not sent (the planner reads none).
+_HOOKS_ONLY = ("stays_in", "stored_in", "between_s")
+
+
+def _fields(obj: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A dataclass's fields by name, as they are: no deep copy.
+
+    ``dataclasses.asdict`` took 7 ms for bench overhead's 600 saves, on a
+    thread that holds the interpreter lock the training thread needs.
+    """
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in skip}
 
 
 class PlanningProcess:
@@ -579,9 +610,8 @@ class PlanningProcess:
                 )
                 self._ender = weakref.finalize(self, _end, process)
             assert process.stdin is not None and process.stdout is not None
-            fields = dataclasses.asdict(profile)
-            for name in _HOOKS_ONLY:  # the hooks layer's, not the planner's
-                del fields[name]
+            fields = _fields(profile, _HOOKS_ONLY)  # not the hooks layer's
+            fields["saves"] = [_fields(save) for save in profile.saves]
             request = {"profile": fields, "budget": budget}
             process.stdin.write(json.dumps(request).encode() + b"\n")
             process.stdin.flush()
@@ -1048,8 +1078,10 @@ class PlanRunner:
         """Backward used the save of entry ``key`` (-1: a save that is no entry).
 
         ``planned``: the bytes of a save the plan kept, at its first use.
-        Returns whether this began a planned step's backward: the caller
-        takes the peak there, with all the plan kept resident.
+        Returns whether this began the backward of a step the runner times,
+        planned or profiled: the caller takes a planned step's peak there,
+        with all the plan kept resident, and has :meth:`backward_ended` told
+        when that backward ends.
         """
         step = self._step
         if step is None:
@@ -1062,13 +1094,29 @@ class PlanRunner:
             return False
         assert step.timer is not None
         now = step.timer.mark(backward=True)
-        if step.backward_at is None:
+        began = step.backward_at is None
+        if began:
             step.backward_at = now
         step.last_use = now
         row = step.row_of_key.get(key)
         if row is not None and step.rows[row].used_at is None:
             step.rows[row].used_at = now
-        return False
+        return began
+
+    def backward_ended(self) -> None:
+        """The backward of the step under way ended (NOTE [ Like with like ]); the first one counts.
+
+        Example:
+            >>> from tierstore import TierConfig
+            >>> from tierstore.plans import PlanRunner
+            >>> from tierstore.pipeline import LinkClock
+            >>> runner = PlanRunner(TierConfig(activation_budget=0.5), LinkClock(), LinkClock(),
+            ...                     lambda: 0.0)
+            >>> runner.backward_ended()  # no step under way: nothing to time
+        """
+        step = self._step
+        if step is not None and step.ended is None:
+            step.ended = time.perf_counter()
 
     def profile_timer(self) -> Timer:
         """The profiled step's timer, beginning the step: its forward begins with the block."""
@@ -1126,6 +1174,9 @@ class PlanRunner:
         plan.steps += 1
         if self._remade is not None:
             return self._adopt()
+        between = plan.profile.between_s
+        if step.ended is not None and between is not None:  # NOTE [ Like with like ]
+            total = step.ended - step.started + between
         line = self._refit(total)
         if self.plan is plan:  # not remade for its time: its peak is checked too
             line = self._check_peak(peak_bytes) or line
@@ -1211,6 +1262,9 @@ class PlanRunner:
         # Taken before the I/O's share comes out of forward and backward: that
         # share is charged to the moved bytes, not left in the rest of the step.
         other = 0.0 if busy else max(0.0, total - waits - forward - backward)
+        # NOTE [ Like with like ]: of it, what came after backward.
+        ended = step.ended
+        between = None if busy or ended is None else min(other, step.started + total - ended)
         per_byte = 0.0
         if not step.cuda and moved and io_cpu > 0:
             # A CPU's own cores did the I/O: charge it to the bytes, and take it
@@ -1249,6 +1303,7 @@ class PlanRunner:
                 (module, why, n, nbytes) for (module, why), (n, nbytes) in step.stays_in.items()
             ),
             stored_in=tuple(sorted(step.stored_in)),
+            between_s=between,
         )
         _ready_to_checkpoint(profile)
         return self._make(profile, "made", expected=expected)
@@ -1533,10 +1588,11 @@ def _scaled_save(save: Save, factor: float) -> Save:
 def _scaled(profile: Profile, factor: float) -> Profile:
     """``profile`` with every compute time times ``factor`` (NOTE [ Planned steps ])."""
     saves = tuple(_scaled_save(s, factor) for s in profile.saves)
+    between = profile.between_s or 0.0  # not the step's compute (NOTE [ Like with like ])
     return replace(
         profile,
         saves=saves,
         forward_s=profile.forward_s * factor,
         backward_s=profile.backward_s * factor,
-        other_s=profile.other_s * factor,
+        other_s=between + (profile.other_s - between) * factor,
     )

@@ -564,10 +564,10 @@ class TierManager:
             counts[1] += nbytes
 
     def backward_began(self) -> None:
-        """A planned step's backward used its first save: take the peak here.
+        """A timed step's backward used its first save: take the peak here.
 
         Forward only adds what the plan keeps, so this is where all of it is
-        resident (NOTE [ Saves that stay ]).
+        resident (NOTE [ Saves that stay ]); a profiled step's peak is not judged.
         """
         with self._counts:
             self._resident_peak = max(self._resident_peak, self._kept_resident())
