@@ -505,7 +505,10 @@ class Plan:
         predicted_peak_bytes: the most saved bytes resident at once, predicted.
         floor_bytes: the lowest peak the step can reach, whatever the budget
             (NOTE [ The floor ]); above the budget when the budget cannot be met.
-        measured_step_s: the last step run under the plan (``None`` before).
+        measured_step_s: the last step run under the plan (``None`` before),
+            as its checks take it: on a CPU, with the profiled step's time
+            between steps in place of its own (NOTE [ Like with like ] in
+            tierstore/plans.py).
         measured_peak_bytes: its measured peak of saved bytes resident.
     """
 

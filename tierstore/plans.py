@@ -1166,6 +1166,9 @@ class PlanRunner:
             return None
         plan = self.plan
         assert plan is not None
+        between = plan.profile.between_s
+        if step.ended is not None and between is not None:  # NOTE [ Like with like ]
+            total = step.ended - step.started + between
         # The step is the plan's it ran on, not one remade meanwhile: that one
         # is judged by its own steps, from the next.
         plan.measured_step_s = total
@@ -1174,9 +1177,6 @@ class PlanRunner:
         plan.steps += 1
         if self._remade is not None:
             return self._adopt()
-        between = plan.profile.between_s
-        if step.ended is not None and between is not None:  # NOTE [ Like with like ]
-            total = step.ended - step.started + between
         line = self._refit(total)
         if self.plan is plan:  # not remade for its time: its peak is checked too
             line = self._check_peak(peak_bytes) or line
