@@ -139,10 +139,16 @@ class HostBlock:
 # plan that hands nothing back, below), and
 # whenever the step has let go of another budget's worth of bytes since the
 # last time (saves written out or to be rebuilt, in forward; saves read
-# back, in backward), but no more often than every RELEASE_MIN_BYTES, as
-# each call walks the heaps (a tiny budget would call after every save;
-# glibc maps allocations larger than that apart anyway, and unmaps them
-# when they are freed). Nothing in use is freed and no allocator setting
+# back, in backward), but no more often than every RELEASE_MIN_BYTES let go,
+# at a step's start as within it, as each call walks the heaps (a tiny
+# budget would call after every save; glibc maps allocations larger than
+# that apart anyway, and unmaps them when they are freed) and each page
+# handed back is faulted in again when used. Steps that let go of less than
+# that between them hold little the heap could give back: bench overhead's
+# chain (1.6 MiB rebuilt a step) took about 1,000 faults a step from a
+# hand-back at every step's start, which made its steps 4 ms slower and
+# its slowest 1.36-1.50x its median, against 1.23-1.25x without (two runs
+# each). Nothing in use is freed and no allocator setting
 # changes; a page used again is faulted back in, zeroed. Measured with the
 # same script, handing back at every step's start only: forward peaks
 # 513-592 MiB; also every 12 saves and 12 unpacks (about the budget's 61

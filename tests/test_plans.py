@@ -497,17 +497,24 @@ def test_without_a_budget_there_is_no_plan(spill_root: Path) -> None:
 
 
 def test_a_planned_cpu_step_starts_on_a_released_heap(
-    budget_store: Callable[..., tierstore.TierStore],
+    budget_store: Callable[..., tierstore.TierStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # NOTE [ Handing the heap back ]: at each step's first save from the
-    # second step on (the first has no backward before it); this model's
-    # steps move far less than RELEASE_MIN_BYTES, so nothing more.
-    store = budget_store(0.05)
-    _same(_run(store, 3), _run(None, 3))
-    plan = store.plan()
-    assert plan is not None and "offload" in plan.choices
-    assert plan.hands_back is (host._malloc_trim() is not None)
-    assert store._manager._transfers.heap_releases == (2 if host._malloc_trim() else 0)
+    # second step on (the first has no backward before it), once the steps
+    # have let go of RELEASE_MIN_BYTES since the last time. This model's steps
+    # let go of far less than the default: then never, and with the floor at
+    # one byte, at each step's start and at no other save (no budget's worth
+    # is let go within a step: the budget is patched out of reach).
+    for floor, releases in ((host.RELEASE_MIN_BYTES, 0), (1, 2)):
+        monkeypatch.setattr("tierstore.transfers.RELEASE_MIN_BYTES", floor)
+        store = budget_store(0.05)
+        monkeypatch.setattr(store._manager.plans, "budget_bytes_now", lambda: 1 << 40)
+        _same(_run(store, 3), _run(None, 3))
+        plan = store.plan()
+        assert plan is not None and "offload" in plan.choices
+        assert plan.hands_back is (host._malloc_trim() is not None)
+        expected = releases if host._malloc_trim() else 0
+        assert store._manager._transfers.heap_releases == expected, floor
 
 
 @pytest.mark.skipif(host._malloc_trim() is None, reason="not glibc: no malloc_trim")

@@ -243,11 +243,23 @@ class Transfers:
     def trim(self, heap: bool = False) -> None:
         """Hand back the pages of idle buffers (NOTE [ Leased buffers ]); at a step's start.
 
-        ``heap``: the free pages of the process heap too (:meth:`release_heap`).
+        ``heap``: the free pages of the process heap too (:meth:`release_heap`),
+        once the steps have let go of :data:`~tierstore.backends.host.RELEASE_MIN_BYTES`
+        since the last time (NOTE [ Handing the heap back ] in tierstore/backends/host.py).
+
+        Example:
+            >>> from tierstore import TierConfig
+            >>> from tierstore.backends.host import RELEASE_MIN_BYTES
+            >>> from tierstore.transfers import Transfers
+            >>> transfers = Transfers(TierConfig())
+            >>> transfers.let_go(RELEASE_MIN_BYTES - 1, budget=1 << 40)
+            >>> transfers.trim(heap=True); transfers.heap_releases  # too little let go
+            0
+            >>> transfers.close()
         """
         if self._buffers is not None:
             self._buffers.trim()
-        if heap:
+        if heap and self._let_go_bytes >= RELEASE_MIN_BYTES:
             self.release_heap()
 
     def let_go(self, nbytes: int, budget: int) -> None:
