@@ -485,6 +485,31 @@ def test_a_check_on_a_cpu_leaves_out_the_time_between_steps(
     assert final.predicted_step_s < pause
 
 
+def test_a_saved_tensor_read_by_hand_outside_backward_times_nothing(spill_root: Path) -> None:
+    # NOTE [ Like with like ]: the first unpack of a step asks autograd's engine
+    # to call back as backward ends; outside a backward there is none to ask.
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (torch.nn.Linear(64, 64), torch.nn.GELU())]
+    model, x = torch.nn.Sequential(*layers), torch.randn(32, 64)
+    config = tierstore.TierConfig(activation_budget=0.5, disk_path=spill_root, min_offload_bytes=0)
+    with tierstore.TierStore(config) as store:
+        for _ in range(3):
+            with store.offload():
+                model(x).square().mean().backward()
+        assert store.plan() is not None
+        model.zero_grad()
+        with store.offload():
+            out = model(x)
+        saved = out.grad_fn._saved_self  # the last GELU's input, unpacked by hand
+        with torch.no_grad():
+            assert torch.equal(saved, model[:-1](x))
+        out.square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).square().mean().backward()
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+
+
 def test_without_a_budget_there_is_no_plan(spill_root: Path) -> None:
     with tierstore.TierStore(tierstore.TierConfig(disk_path=spill_root)) as store:
         model = _model()
