@@ -117,7 +117,7 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # bench overhead, whose rows take turns with steps of no hooks between
 # them, every budget's second check found its step 50% slow, remade the
 # plan (7 s of a planning process on the second of two cores, its steps
-# 10-25% slower meanwhile) and then predicted 94 ms for a 58 ms step. So
+# up to 30% slower meanwhile) and then predicted 94 ms for a 58 ms step. So
 # the hooks have autograd's engine call backward_ended() as the first
 # backward of each timed step ends (a final callback queued at its first
 # unpack); the profile keeps the part of other_s after that (between_s),
