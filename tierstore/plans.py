@@ -115,9 +115,10 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # Were the time between steps to change after the profile, a check would
 # charge the difference to the moved bytes and remake the plan for it: in
 # bench overhead, whose rows take turns with steps of no hooks between
-# them, every budget's second check found its step 50% slow, remade the
-# plan (7 s of a planning process on the second of two cores, its steps
-# up to 30% slower meanwhile) and then predicted 94 ms for a 58 ms step. So
+# them, a check found budget=0.5's step 50% slow once the turns began,
+# remade the plan (7 s of a planning process on the second of two cores,
+# its steps up to 30% slower meanwhile) and then predicted 94 ms for a 58
+# ms step. So
 # the hooks have autograd's engine call backward_ended() as the first
 # backward of each timed step ends (a final callback queued at its first
 # unpack); the profile keeps the part of other_s after that (between_s),
