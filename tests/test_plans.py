@@ -32,6 +32,7 @@ import tierstore
 from tierstore import hooks, planner, plans
 from tierstore.backends import FileBackend, host
 from tierstore.bench.gpt import GPT, GPTConfig
+from tierstore.bench.overhead import _chain as _overhead_chain
 from tierstore.config import human_bytes
 from tierstore.hooks import _Kept
 from tierstore.pipeline import LinkClock
@@ -453,32 +454,42 @@ def test_one_info_line_per_plan(
     assert all("predicted step" in line for line in lines)
 
 
+def _chain_at_half(
+    spill_root: Path, pairs: int
+) -> tuple[torch.nn.Sequential, torch.Tensor, tierstore.TierStore, Callable[[], None]]:
+    """bench overhead's chain of ``pairs`` Linear + GELU, its batch, a store at budget 0.5,
+    and a step in it; the warm-up, the profile and the first planned step already run."""
+    model, x = _overhead_chain(pairs, 64), torch.randn(32, 64)
+    config = tierstore.TierConfig(activation_budget=0.5, disk_path=spill_root, min_offload_bytes=0)
+    store = tierstore.TierStore(config)
+
+    def step() -> None:
+        with store.offload():
+            model(x).square().mean().backward()
+
+    for _ in range(3):
+        step()
+    return model, x, store, step
+
+
 def test_a_check_on_a_cpu_leaves_out_the_time_between_steps(
     spill_root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # NOTE [ Like with like ]: profiled back to back, then planned with a pause
     # between steps far longer than a step (an evaluation, a slow loader): no
     # check charges it to the plan, which is neither remade nor made to predict it.
-    torch.manual_seed(0)
-    layers = [m for _ in range(20) for m in (torch.nn.Linear(64, 64), torch.nn.GELU())]
-    model, x, pause = torch.nn.Sequential(*layers), torch.randn(32, 64), 0.2
-    config = tierstore.TierConfig(activation_budget=0.5, disk_path=spill_root, min_offload_bytes=0)
-    with tierstore.TierStore(config) as store, caplog.at_level(logging.INFO, logger="tierstore"):
-
-        def step() -> None:
-            with store.offload():
-                model(x).square().mean().backward()
-
-        for _ in range(3):  # the warm-up, the profile, the first planned step
-            step()
-        plan = store.plan()
-        assert plan is not None and plan.bytes_by_choice()["keep"] < plan.profile.saved_bytes
-        between = plan.profile.between_s
-        assert between is not None and 0 <= between < pause
-        for _ in range(8):
-            time.sleep(pause)
-            step()
-        final = store.plan()
+    pause = 0.2
+    with caplog.at_level(logging.INFO, logger="tierstore"):
+        _, _, store, step = _chain_at_half(spill_root, 20)
+        with store:
+            plan = store.plan()
+            assert plan is not None and plan.bytes_by_choice()["keep"] < plan.profile.saved_bytes
+            between = plan.profile.between_s
+            assert between is not None and 0 <= between < pause
+            for _ in range(8):
+                time.sleep(pause)
+                step()
+            final = store.plan()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tierstore: plan")]
     assert not [line for line in lines if "plan remade" in line], lines
     assert final is not None and final.choices == plan.choices
@@ -488,14 +499,8 @@ def test_a_check_on_a_cpu_leaves_out_the_time_between_steps(
 def test_a_saved_tensor_read_by_hand_outside_backward_times_nothing(spill_root: Path) -> None:
     # NOTE [ Like with like ]: the first unpack of a step asks autograd's engine
     # to call back as backward ends; outside a backward there is none to ask.
-    torch.manual_seed(0)
-    layers = [m for _ in range(4) for m in (torch.nn.Linear(64, 64), torch.nn.GELU())]
-    model, x = torch.nn.Sequential(*layers), torch.randn(32, 64)
-    config = tierstore.TierConfig(activation_budget=0.5, disk_path=spill_root, min_offload_bytes=0)
-    with tierstore.TierStore(config) as store:
-        for _ in range(3):
-            with store.offload():
-                model(x).square().mean().backward()
+    model, x, store, _ = _chain_at_half(spill_root, 4)
+    with store:
         assert store.plan() is not None
         model.zero_grad()
         with store.offload():
