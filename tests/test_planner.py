@@ -414,6 +414,53 @@ def test_a_window_below_the_largest_save_leaves_room_for_rebuilds() -> None:
     assert plan.predicted_step_s / STEP_S < 1.13
 
 
+def test_windows_above_every_byte_saved_are_searched_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A small model under the default window (256 MiB) saves less than most of
+    # the windows tried: none of those ever fills, so each plays every plan
+    # alike, and only the largest is searched (bench overhead's 401 saves:
+    # 10.0 s of planning, 3.5 s).
+    profile = _chain(8, nbytes=MIB)  # 8 MiB saved in all
+    windows = planner._windows(profile)
+    assert [w for w in windows if w > 8 * MIB] == [profile.window_bytes]
+    rng = random.Random(0)
+    for _ in range(50):
+        choices = tuple(rng.choice(_CHOICES) for _ in profile.saves)
+        assert simulate(profile, choices, 8 * MIB + 1) == simulate(profile, choices, 256 * MIB)
+    plans = {}
+    for extra in ([], [128 * MIB, 64 * MIB, 16 * MIB]):  # the windows tried before
+        with monkeypatch.context() as patch:
+            patch.setattr(
+                planner, "_windows", lambda p, extra=extra: sorted({*windows, *extra}, reverse=True)
+            )
+            plan = make_plan(profile, 3 * MIB)
+        plans[len(extra)] = (plan.choices, plan.window_bytes, plan.predicted_step_s)
+    assert plans[0] == plans[3]
+
+
+def test_a_start_that_fits_prices_no_move() -> None:
+    # Every start that already fits its budget was priced move by move, one
+    # simulation each, before the search saw that it had nothing to do.
+    profile = _chain(4)
+    start = ["keep"] * 4
+    outcome = simulate(profile, tuple(start), profile.window_bytes)
+
+    def price(i: int, choice: Choice, now: planner.Outcome) -> tuple[float, float]:
+        raise AssertionError(f"priced save {i} to {choice}")
+
+    done = planner._greedy(
+        profile,
+        profile.window_bytes,
+        start,
+        outcome,
+        moves=[(i, "offload") for i in range(4)],
+        price=price,
+        done=lambda o: o.peak_bytes <= 400 * MIB,
+    )
+    assert done == (outcome, False) and start == ["keep"] * 4
+
+
 def _chain(n: int, *, rebuild_s: float | None = 0.001, nbytes: int = 100 * MIB) -> Profile:
     """``n`` saves of ``nbytes``, 10 ms of forward apart, backward twice forward."""
     saves = tuple(
