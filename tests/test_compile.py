@@ -612,6 +612,59 @@ def test_whole_model_compile_under_a_budget_runs_and_says_once_why_it_cannot_hol
     assert "_Net" in str(plan) and "OptimizedModule" not in str(plan)
 
 
+class _KeptHead(torch.nn.Module):
+    """``layers``, the last run inside ``tierstore.keep()``."""
+
+    def __init__(self, layers: torch.nn.Sequential) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layers[:-1](x)
+        with tierstore.keep():
+            out: torch.Tensor = self.layers[-1](h)
+        return out
+
+
+def _kept_head_steps(
+    root: Path, compiled: bool, keep: str | None, offload: bool = True
+) -> tuple[int, list[torch.Tensor]]:
+    """Three steps of ``_mlp``, its head kept by ``keep`` (or not): kept count and gradients."""
+    torch._dynamo.reset()
+    layers, x = _mlp(), _inputs()
+    model = _KeptHead(layers) if keep == "keep()" else layers
+    handle = tierstore.keep_module(layers[-1]) if keep == "keep_module" else None
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    config = tierstore.TierConfig(
+        device_budget=0, host_budget=0, disk_path=root, min_offload_bytes=0
+    )
+    with tierstore.TierStore(config) as store:
+        for _ in range(3):
+            with store.offload() if offload else contextlib.nullcontext():
+                loss = run(x).square().mean()
+            loss.backward()
+        kept = store.stats().kept
+    if handle is not None:
+        handle.remove()
+    return kept, _grads(model, x)
+
+
+@pytest.mark.parametrize("keep", ["keep_module", "keep()"])
+def test_keep_under_a_whole_model_compile(spill_root: Path, keep: str) -> None:
+    # Dynamo traced keep_module's hooks and keep()'s block into the graph,
+    # guarded on the thread-local tier they set, and failed that guard in the
+    # frame that made it ("Guard failed on the same frame it was created") at
+    # the second step. They now run as the compiled code reaches them (a graph
+    # break each), and keep what eager keeps: the head's input.
+    kept, grads = _kept_head_steps(spill_root, compiled=True, keep=keep)
+    eager_kept, _ = _kept_head_steps(spill_root, compiled=False, keep=keep)
+    plain_kept, _ = _kept_head_steps(spill_root, compiled=True, keep=None)
+    _, expected = _kept_head_steps(spill_root, compiled=True, keep=None, offload=False)
+    assert kept == eager_kept > plain_kept
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+    assert not list(spill_root.iterdir())
+
+
 def test_per_block_compile_holds_the_budget(spill_root: Path) -> None:
     model = _Net(n=8)  # a block's saves, handed over together, are 1/8 of the step's
     for block in model.blocks:

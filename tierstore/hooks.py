@@ -257,15 +257,30 @@ def _asleep(quiet: _Quiet | None) -> None:
             torch._C._autograd._pop_saved_tensors_default_hooks()
 
 
-@contextlib.contextmanager
-def _keeping(tier: Tier) -> Iterator[None]:
-    previous = _requested_tier()
-    quiet = _woken()
-    _local.tier = tier
-    try:
-        yield
-    finally:
-        _local.tier = previous
+class _Keeping:
+    """A :func:`keep` block: ``tier`` asked for while it lasts, then what was asked before.
+
+    NOTE [ Hooks and Dynamo ]: in a function torch.compile'd whole, Dynamo
+    traced the generator this was, guarded on the thread-local tier it set,
+    and failed that guard in the frame that made it ("Guard failed on the
+    same frame it was created"). Never traced, the block runs as the code
+    reaches it, and a module compiled inside it saves into it.
+    """
+
+    __slots__ = ("_before", "_tier")
+
+    def __init__(self, tier: Tier) -> None:
+        self._tier = tier
+        self._before: list[tuple[Tier | None, _Quiet | None]] = []  # one per entry: it nests
+
+    @never_traced
+    def __enter__(self) -> None:
+        self._before.append((_requested_tier(), _woken()))
+        _local.tier = self._tier
+
+    @never_traced
+    def __exit__(self, *exc: object) -> None:
+        _local.tier, quiet = self._before.pop()
         _asleep(quiet)
 
 
@@ -304,7 +319,7 @@ def keep(tier: Tier = "device") -> contextlib.AbstractContextManager[None]:
         (1, True)
         >>> logits.sum().backward(); store.close()
     """
-    return _keeping(_checked_tier(tier, "tierstore.keep"))
+    return _Keeping(_checked_tier(tier, "tierstore.keep"))
 
 
 class _KeepModule:
@@ -327,10 +342,15 @@ class _KeepModule:
             stack = self._at_entry.stack = []
         return stack
 
+    # NOTE [ Hooks and Dynamo ]: under a whole-model torch.compile these run
+    # as the compiled code reaches the module, not traced into its graph
+    # (Dynamo guarded on the thread-local they set, then failed that guard).
+    @never_traced
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         self._stack().append((_requested_tier(), _woken()))
         _local.tier = self._tier
 
+    @never_traced
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         stack = self._stack()
         if stack:
@@ -2048,6 +2068,7 @@ class _OffloadModule:
         if not _local.replaying:  # NOTE [ Replayed modules ] in planner.py
             stack[-1] = self.store._open_block()
 
+    @never_traced
     @never_traced
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         stack = self._stack()
