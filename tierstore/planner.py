@@ -109,11 +109,13 @@ Choice = Literal["keep", "offload", "rebuild"]
 # so planning n saves costs O(n^2) for each window size; the second pass
 # skips without a simulation the moves that cannot pay (_MoveBounds: a move
 # saves at most the cost it drops plus every wait on the link), which keeps
-# every plan as it was and takes 40% off the time. So does pricing no move
-# of a start that already fits, and searching one window for all those that
-# never fill: bench overhead's 401 saves (8 KiB each, the default 256 MiB
-# window) planned in 10.0 s on the 2-core VM with nine windows, 3.5 s with
-# three; the H200 GPT step's 150 saves in 0.2-0.6 s.
+# every plan as it was and takes 40% off the time. So do pricing no move of
+# a start that already fits, searching one window for all those that never
+# fill, and taking a move with the outcome its price played (not playing it
+# again): bench overhead's 401 saves (8 KiB each, the default 256 MiB
+# window) planned in 10.0 s on the 2-core VM with nine windows and 29,338
+# simulations, 2.7 s with three windows and 8,054; the H200 GPT step's 150
+# saves in 0.2-0.6 s.
 
 
 # NOTE [ Replayed modules ]
@@ -868,40 +870,41 @@ _Key = tuple[float, float]  # a move's price: lower goes first
 
 
 def _greedy(
-    profile: Profile,
-    window: int,
     choices: list[Choice],
     outcome: Outcome,
     *,
     moves: list[tuple[int, Choice]],
-    price: Callable[[int, Choice, Outcome], _Key | None],
+    price: Callable[[int, Choice, Outcome], tuple[_Key, Outcome] | None],
     done: Callable[[Outcome], bool],
 ) -> tuple[Outcome, bool]:
     """Take the cheapest move of ``moves`` on ``choices`` until ``done``; lazily priced.
 
-    ``price`` (``None``: not a move now) is asked again when a move comes up:
-    one that got dearer than the next goes back. Returns the outcome and
-    whether any move was taken.
+    ``price`` gives a move's key and the outcome it plays to (``None``: not a
+    move now); it is asked again when a move comes up: one that got dearer
+    than the next goes back, one taken keeps that outcome (simulate() is
+    pure: playing it again gives the same). Returns the outcome and whether
+    any move was taken.
     """
     if done(outcome):
         return outcome, False  # a start that fits: pricing its moves would be for nothing
     heap: list[tuple[float, float, int, Choice]] = []
     for i, choice in moves:
-        key = price(i, choice, outcome)
-        if key is not None:
-            heap.append((*key, i, choice))
+        priced = price(i, choice, outcome)
+        if priced is not None:
+            heap.append((*priced[0], i, choice))
     heapq.heapify(heap)
     changed = False
     while heap and not done(outcome):
         _, _, i, choice = heapq.heappop(heap)
-        key = price(i, choice, outcome)
-        if key is None:
+        priced = price(i, choice, outcome)
+        if priced is None:
             continue
+        key, tried = priced
         if heap and key > heap[0][:2]:
             heapq.heappush(heap, (*key, i, choice))  # dearer now than the next: look again
             continue
         choices[i] = choice
-        outcome = simulate(profile, tuple(choices), window)
+        outcome = tried
         changed = True
     return outcome, changed
 
@@ -920,7 +923,7 @@ def _plan_for_window(
         rebuild = saves[i].rebuild_s
         return math.inf if rebuild is None else rebuild / max(saves[i].nbytes, 1)
 
-    def price(i: int, choice: Choice, outcome: Outcome) -> _Key | None:
+    def price(i: int, choice: Choice, outcome: Outcome) -> tuple[_Key, Outcome] | None:
         if choices[i] != "keep" or (choice == "rebuild" and _chains_across(saves, choices, i)):
             return None
         trial = choices.copy()
@@ -929,12 +932,11 @@ def _plan_for_window(
         if tried.peak_bytes > outcome.peak_bytes or tried.step_s == math.inf:
             return None  # a higher peak; or not runnable (NOTE [ Replayed modules ])
         # Ties (copies the link hides) go to what is dearest to rebuild, earliest first.
-        return (max(tried.step_s - outcome.step_s, 0.0) / max(saves[i].nbytes, 1), -dearness(i))
+        added = max(tried.step_s - outcome.step_s, 0.0) / max(saves[i].nbytes, 1)
+        return (added, -dearness(i)), tried
 
     moves = [(i, c) for i in range(len(saves)) for c in _choices_of(saves[i])]
     outcome, _ = _greedy(
-        profile,
-        window,
         choices,
         simulate(profile, tuple(choices), window),
         moves=moves,
@@ -960,7 +962,7 @@ def _take_back(
     choices = start.copy()
     bounds = _MoveBounds(profile, choices)
 
-    def price(i: int, choice: Choice, now: Outcome) -> _Key | None:
+    def price(i: int, choice: Choice, now: Outcome) -> tuple[_Key, Outcome] | None:
         if choices[i] == choice or (
             choice == "rebuild"
             and (saves[i].rebuild_s is None or _chains_across(saves, choices, i))
@@ -977,13 +979,11 @@ def _take_back(
         if tried.peak_bytes > budget or saved <= 0:
             return None
         added = tried.peak_bytes - now.peak_bytes
-        return (float(added > 0), -saved / max(added, 1))
+        return (float(added > 0), -saved / max(added, 1)), tried
 
     moves = [(i, c) for i in range(len(saves)) for c in _CHOICES]
     for _ in range(_ROUNDS):
-        outcome, changed = _greedy(
-            profile, window, choices, outcome, moves=moves, price=price, done=lambda o: False
-        )
+        outcome, changed = _greedy(choices, outcome, moves=moves, price=price, done=lambda o: False)
         if not changed:
             break
     return choices, outcome
