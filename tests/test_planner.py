@@ -459,6 +459,38 @@ def test_a_start_that_fits_prices_no_move() -> None:
     assert done == (outcome, False) and start == ["keep"] * 4
 
 
+def test_a_move_taken_keeps_the_outcome_its_price_played(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Taking a move played its choices again, the same simulation its price
+    # had just run: one in five of a search's simulations.
+    profile = _chain(4)
+    play = simulate
+    choices: list[Choice] = ["keep"] * 4
+    played: list[tuple[Choice, ...]] = []
+
+    def price(
+        i: int, choice: Choice, now: planner.Outcome
+    ) -> tuple[tuple[float, float], planner.Outcome]:
+        trial = choices.copy()
+        trial[i] = choice
+        played.append(tuple(trial))
+        return (float(i), 0.0), play(profile, tuple(trial), profile.window_bytes)
+
+    monkeypatch.setattr(planner, "simulate", None)  # _greedy plays nothing itself
+    outcome, changed = planner._greedy(
+        choices,
+        play(profile, tuple(choices), profile.window_bytes),
+        moves=[(i, "offload") for i in range(4)],
+        price=price,
+        done=lambda o: o.peak_bytes <= 350 * MIB,
+    )
+    taken = choices.count("offload")
+    assert changed and choices == ["offload"] * taken + ["keep"] * (4 - taken)
+    assert outcome == play(profile, tuple(choices), profile.window_bytes)
+    assert len(played) == 4 + taken  # each move priced once, and again as it comes up
+
+
 def _chain(n: int, *, rebuild_s: float | None = 0.001, nbytes: int = 100 * MIB) -> Profile:
     """``n`` saves of ``nbytes``, 10 ms of forward apart, backward twice forward."""
     saves = tuple(
