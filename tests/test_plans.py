@@ -522,6 +522,41 @@ def test_a_check_on_a_cpu_leaves_out_the_time_between_steps(
     assert final is not None and final.predicted_step_s < 1.0
 
 
+def test_a_step_of_two_backwards_is_timed_to_the_end_of_the_last(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ Like with like ]: a step that runs two backwards (two losses, a
+    # multi-task head) ends with the last. Timed to the end of the first, a
+    # planned step of 10 s (the second backward's, on the runner's clock)
+    # measured 0.01 s and had the plan rescaled to that.
+    clock = _PausedClock()
+    monkeypatch.setattr(plans, "time", clock)
+    model = _overhead_chain(20, 64)
+    x1, x2 = torch.randn(32, 64), torch.randn(32, 64)
+    config = tierstore.TierConfig(activation_budget=0.5, disk_path=spill_root, min_offload_bytes=0)
+
+    def slow(grad: torch.Tensor) -> torch.Tensor:
+        clock.paused += 10.0
+        return grad
+
+    measured = []
+    with tierstore.TierStore(config) as store:
+        for _ in range(8):
+            ran_on = store.plan()
+            with store.offload():
+                first = model(x1).square().mean()
+                second = model(x2).square().mean()
+            first.backward()
+            second = second * 1.0
+            second.register_hook(slow)  # in the second backward, before its first unpack
+            second.backward()
+            if ran_on is not None:
+                measured.append(ran_on.measured_step_s)
+        final = store.plan()
+    assert len(measured) >= 4 and all(m is not None and m > 10.0 for m in measured), measured
+    assert final is not None and final.predicted_step_s > 10.0
+
+
 def test_a_saved_tensor_read_by_hand_outside_backward_times_nothing(spill_root: Path) -> None:
     # NOTE [ Like with like ]: the first unpack of a step asks autograd's engine
     # to call back as backward ends; outside a backward there is none to ask.

@@ -740,6 +740,8 @@ _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", Non
 
 #: Autograd's engine: a final callback queued during a backward runs as it ends.
 _ENGINE = torch.autograd.Variable._execution_engine
+#: The autograd graph task running on this thread, -1 outside backward (NOTE [ Like with like ]).
+_graph_task: Callable[[], int] = torch._C._current_graph_task_id
 _HOOKS_ENABLED: Callable[[], bool] = getattr(
     torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True
 )
@@ -1430,7 +1432,7 @@ class TierStore:
         return True
 
     def _backward_began(self, ended: Callable[[], None]) -> None:
-        """A timed step's backward used its first save: its peak, and ``ended()`` as it ends.
+        """A backward of a timed step used its first save: the peak, and ``ended()`` as it ends.
 
         NOTE [ Like with like ] in plans.py: autograd's engine calls ``ended``
         as this backward ends. An unpack outside a backward (a saved tensor
@@ -1444,8 +1446,8 @@ class TierStore:
         """Backward reached a module kept whole (NOTE [ Modules kept whole ])."""
         self._unpacks += 1  # NOTE [ Step log ]: a backward ran
         runner = self._runner
-        if runner is not None and runner.used(-1, nbytes):
-            self._backward_began(runner.backward_ended)
+        if runner is not None and (ended := runner.used(-1, nbytes, _graph_task())):
+            self._backward_began(ended)
 
     def _stays(self, t: torch.Tensor) -> bool:
         """Whether ``t`` stays on the device if saved: a recipe may hold it as it is."""
@@ -1858,15 +1860,17 @@ class TierStore:
         runner = self._runner
         if isinstance(packed, _Kept):  # the short way (NOTE [ Saves that stay ] in store.py)
             if runner is not None:  # a plan-kept save leaves the peak at its first use
-                if runner.used(-1, packed.planned):
-                    self._backward_began(runner.backward_ended)
+                if ended := runner.used(-1, packed.planned, _graph_task()):
+                    self._backward_began(ended)
                 packed.planned = 0
             t = packed.tensor
             if t._version != packed.version:
                 raise modified_in_place(tuple(t.shape), t.dtype, t._version, packed.version)
             return t
-        if runner is not None and runner.used(packed.key if type(packed) is Handle else -1):
-            self._backward_began(runner.backward_ended)
+        if runner is not None and (
+            ended := runner.used(packed.key if type(packed) is Handle else -1, 0, _graph_task())
+        ):
+            self._backward_began(ended)
         cuda = type(packed) is Handle and packed.device.type == "cuda"
         if cuda and runner is not None and runner.profiling:  # NOTE [ Pricing a moved save first ]
             return _moving(runner, False, self._fetch, packed)

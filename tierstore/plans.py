@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import mmap
 import os
@@ -119,12 +120,15 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # remade the plan (7 s of a planning process on the second of two cores,
 # its steps up to 30% slower meanwhile) and then predicted 94 ms for a 58
 # ms step. So
-# the hooks have autograd's engine call backward_ended() as the first
-# backward of each timed step ends (a final callback queued at its first
-# unpack); the profile keeps the part of other_s after that (between_s),
-# and a check on a CPU takes the step as its own span, start to the end of
-# backward, plus the profile's between_s: the same time outside the step
-# on both sides. On CUDA the host reaches the end of backward long before
+# the hooks have autograd's engine tell the runner as each backward of a
+# timed step ends (a final callback queued at the first unpack in each of
+# autograd's graph tasks; used() returns it, tied to its step), and the
+# step ends with its last backward: timed to its first, a step that ran
+# two (two losses, a multi-task head) measured 0.011 s of its 0.22 and had
+# its plan rescaled to that. The profile keeps the part of other_s after
+# that end (between_s), and a check on a CPU takes the step as its own
+# span, start to the end of its last backward, plus the profile's
+# between_s: the same time outside the step on both sides. On CUDA the host reaches the end of backward long before
 # the device does, so there a check still takes the step from start to
 # start (a device profile's other_s is 0 and its first check fits the
 # prediction to what the step does around it: NOTE [ Timing a profile ]).
@@ -500,7 +504,8 @@ class _Step:
     waits_at_start: float = 0.0
     backward_at: object = None  # the mark of backward's first use of a save
     last_use: object = None  # the mark of backward's latest use
-    ended: float | None = None  # perf_counter as its backward ended (NOTE [ Like with like ])
+    ended: float | None = None  # perf_counter as its last backward ended (NOTE [ Like with like ])
+    task: int = -2  # the graph task of its latest backward so far (-1: a read by hand)
     timer: Timer | None = None  # a profiled step's marks (NOTE [ Timing a profile ])
     following: bool = False  # on its plan so far: choose() takes the short way
     deviated_at: int | None = None  # the save that left the plan, matching no kept one
@@ -522,6 +527,11 @@ class _Step:
     # and the modules where keep() stored one (NOTE [ Modules kept whole ] in hooks.py).
     stays_in: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     stored_in: set[str] = field(default_factory=set)
+
+
+def _backward_ended(step: _Step) -> None:
+    """A backward of ``step`` ended (NOTE [ Like with like ]): the last one's end counts."""
+    step.ended = time.perf_counter()
 
 
 #: What the planning process runs: the planner module alone, without the
@@ -1075,37 +1085,16 @@ class PlanRunner:
             step.moved_host_s += seconds
             step.moved_saves += out
 
-    def used(self, key: int, planned: int = 0) -> bool:
+    def used(self, key: int, planned: int = 0, task: int = -1) -> Callable[[], None] | None:
         """Backward used the save of entry ``key`` (-1: a save that is no entry).
 
         ``planned``: the bytes of a save the plan kept, at its first use.
-        Returns whether this began the backward of a step the runner times,
-        planned or profiled: the caller takes a planned step's peak there,
-        with all the plan kept resident, and has :meth:`backward_ended` told
-        when that backward ends.
-        """
-        step = self._step
-        if step is None:
-            return False
-        if not step.profiling:
-            step.kept_used += planned
-            if step.backward_at is None:
-                step.backward_at = True  # no save after this one follows the plan
-                return True
-            return False
-        assert step.timer is not None
-        now = step.timer.mark(backward=True)
-        began = step.backward_at is None
-        if began:
-            step.backward_at = now
-        step.last_use = now
-        row = step.row_of_key.get(key)
-        if row is not None and step.rows[row].used_at is None:
-            step.rows[row].used_at = now
-        return began
-
-    def backward_ended(self) -> None:
-        """The backward of the step under way ended (NOTE [ Like with like ]); the first one counts.
+        ``task``: the autograd graph task the use is in (-1: none, a saved
+        tensor read by hand). Returns, at the first use in each backward of
+        a step the runner times, planned or profiled, what to call as that
+        backward ends (NOTE [ Like with like ]): the step ends with its last
+        backward. ``None`` at any other use. The caller takes a planned
+        step's peak there too: at the first, all the plan kept is resident.
 
         Example:
             >>> from tierstore import TierConfig
@@ -1113,11 +1102,29 @@ class PlanRunner:
             >>> from tierstore.pipeline import LinkClock
             >>> runner = PlanRunner(TierConfig(activation_budget=0.5), LinkClock(), LinkClock(),
             ...                     lambda: 0.0)
-            >>> runner.backward_ended()  # no step under way: nothing to time
+            >>> runner.used(0, task=7) is None  # no step under way: nothing to time
+            True
         """
         step = self._step
-        if step is not None and step.ended is None:
-            step.ended = time.perf_counter()
+        if step is None:
+            return None
+        if not step.profiling:
+            step.kept_used += planned
+            if step.backward_at is None:
+                step.backward_at = True  # no save after this one follows the plan
+        else:
+            assert step.timer is not None
+            now = step.timer.mark(backward=True)
+            if step.backward_at is None:
+                step.backward_at = now
+            step.last_use = now
+            row = step.row_of_key.get(key)
+            if row is not None and step.rows[row].used_at is None:
+                step.rows[row].used_at = now
+        if task == step.task:
+            return None
+        step.task = task
+        return functools.partial(_backward_ended, step)
 
     def profile_timer(self) -> Timer:
         """The profiled step's timer, beginning the step: its forward begins with the block."""
