@@ -119,19 +119,19 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # them, a check found budget=0.5's step 50% slow once the turns began,
 # remade the plan (7 s of a planning process on the second of two cores,
 # its steps up to 30% slower meanwhile) and then predicted 94 ms for a 58
-# ms step. So
-# the hooks have autograd's engine tell the runner as each backward of a
-# timed step ends (a final callback queued at the first unpack in each of
+# ms step. So the hooks have autograd's engine tell the runner as each
+# backward of a timed step ends (a final callback queued at the first unpack in each of
 # autograd's graph tasks; used() returns it, tied to its step), and the
 # step ends with its last backward: timed to its first, a step that ran
 # two (two losses, a multi-task head) measured 0.011 s of its 0.22 and had
 # its plan rescaled to that. The profile keeps the part of other_s after
 # that end (between_s), and a check on a CPU takes the step as its own
 # span, start to the end of its last backward, plus the profile's
-# between_s: the same time outside the step on both sides. On CUDA the host reaches the end of backward long before
-# the device does, so there a check still takes the step from start to
-# start (a device profile's other_s is 0 and its first check fits the
-# prediction to what the step does around it: NOTE [ Timing a profile ]).
+# between_s: the same time outside the step on both sides. On CUDA the
+# host reaches the end of backward long before the device does, so there a
+# check still takes the step from start to start (a device profile's
+# other_s is 0 and its first check fits the prediction to what the step
+# does around it: NOTE [ Timing a profile ]).
 
 # NOTE [ Charging a slow step ]
 # A slow step's excess goes to what the profile could not price. On a CPU
