@@ -900,3 +900,28 @@ def test_recipes_from_the_graph_rebuild_gelu_silu_and_swiglu_bitwise(
     # SiLU's output the product saves; GELU's output and the product, the matmuls.
     assert ops == ["SiluBackward0", "GeluBackward0", "MulBackward0"]
     del loss
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_a_recorded_rebuild_takes_an_input_rebuilt_from_the_graph(view: bool) -> None:
+    # NOTE [ Rebuilt from the graph ]: where the recorder cannot rebuild a
+    # save (its input was made before the recorder ran, or is kept as it is
+    # without its notice), the save is rebuilt from the graph; an op the
+    # recorder saw that takes it builds on that rebuild, rather than leave its
+    # own save to be stored where the plan rebuilds it.
+    recorder = Recorder(everything, lambda t: False)
+    x = torch.randn(16, 32, requires_grad=True) * 1.0  # before the recorder: unresolved
+
+    def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return t.detach(), t._version  # kept as it is, as the hooks' own kept forms
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p[0]), recorder:
+        s = F.gelu(x).t() if view else F.gelu(x)
+        from_graph = recompute.graph_recipe(s, s.numel() * 4, lambda p: p)
+        assert from_graph is not None and recorder.recipe_for(s, s.numel() * 4) is None
+        recorder.note_packed(s, from_graph, None)  # as a planned step's pack hook does
+        k = s * 3.0
+    recipe = recorder.recipe_for(k, k.numel() * 4)
+    assert recipe is not None
+    rebuilt = recipe.rebuild(lambda *a: None)
+    assert torch.equal(rebuilt, k) and rebuilt.stride() == k.stride()

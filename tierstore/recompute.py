@@ -358,8 +358,8 @@ class _Origin:
                 if packed is None:
                     return None
                 if type(packed) is Recipe and type(packed._node) is _GraphNode:
-                    return None  # made from the graph, where no recorder ran
-                if type(packed) is Recipe:  # its node serves both
+                    leaves.append(_Input(_FromGraph(packed), None))  # made where no recorder ran
+                elif type(packed) is Recipe:  # its node serves both
                     leaves.append(_Input(packed._node, packed._index))
                 elif extra is None:  # kept as it is: its detached alias shares the version
                     leaves.append(_Input(packed.tensor, packed.version))
@@ -534,6 +534,28 @@ class _Stored(_Shared):
         packed = self.packed()
         assert packed is not None  # whoever asks holds it
         return self.fetch(packed)
+
+
+class _FromGraph(_Shared):
+    """A save rebuilt from the graph that a recorded node takes as an input.
+
+    NOTE [ Rebuilt from the graph ]: the recipe's own node shares nothing
+    (autograd's unpack of the save rebuilds it apart), so this rebuilds it
+    once more for the recorded node, as the saved tensor, view and all.
+    """
+
+    __slots__ = ("recipe",)
+
+    def __init__(self, recipe: Recipe) -> None:
+        super().__init__(0)  # the node that takes it counts itself
+        self.recipe = recipe
+
+    def _make(self, alloc: _Alloc | None) -> Any:
+        return self.recipe.rebuild(_no_memory)
+
+
+def _no_memory(*args: Any) -> None:
+    """Memory for a rebuilt input: none of the store's, the op's own."""
 
 
 def shared_fetch(packed: Any) -> torch.Tensor | None:
@@ -724,7 +746,9 @@ def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
 #     reads it through the store once, shared with autograd's own unpack of
 #     it just after (_Stored, as a recorded recipe's stored input is), and
 #     the store's get checks its version. An input rebuilt itself is not
-#     taken (a chain of rebuilds is the recorder's);
+#     taken (a chain of rebuilds is the recorder's; a node the recorder
+#     made may take such a recipe's save as its input, rebuilt once more
+#     for it: _FromGraph);
 #   * the rebuilt output has the layout the base had (the same op on the
 #     same inputs lays it out the same way; checked, and a mismatch raises).
 # Elsewhere it returns None and the pack hook stores the save instead. A
