@@ -2073,7 +2073,6 @@ class _OffloadModule:
             stack[-1] = self.store._open_block()
 
     @never_traced
-    @never_traced
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         stack = self._stack()
         block = stack.pop() if stack else None
