@@ -122,9 +122,9 @@ __all__ = ["HostTimer", "PlanRunner", "PlanningProcess", "Timer", "budget_bytes"
 # ms step. So the hooks have autograd's engine tell the runner as each
 # backward of a timed step ends (a final callback queued at the first
 # unpack in each of autograd's graph tasks; used() returns it, tied to its
-# step), and the step ends with its last backward: timed to its first, a step that ran
-# two (two losses, a multi-task head) measured 0.011 s of its 0.22 and had
-# its plan rescaled to that. The profile keeps the part of other_s after
+# step), and the step ends with its last backward: timed to its first, a
+# step that ran two (two losses, a multi-task head) measured 0.011 s of
+# its 0.22 and had its plan rescaled to that. The profile keeps the part of other_s after
 # that end (between_s), and a check on a CPU takes the step as its own
 # span, start to the end of its last backward, plus the profile's
 # between_s: the same time outside the step on both sides. On CUDA the

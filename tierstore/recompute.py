@@ -442,24 +442,32 @@ class _Node(_Shared):
 
     def _make(self, alloc: _Alloc | None) -> Any:
         args, kwargs = _unflatten([_value(leaf) for leaf in self.leaves], self.spec)
-        found = _out_overload(self.func) if alloc is not None else None
-        if found is not None and len(found[1]) in (1, len(self.outs)):
-            assert alloc is not None
-            out_op, names = found
-            buf = alloc[0]()
-            if buf is not None:  # NOTE [ Rebuilt tensors in the store's memory ]
-                if len(names) == 1:
-                    return out_op(*args, **kwargs, out=buf)
-                outs = {
-                    name: buf
-                    if i == alloc[1]
-                    else torch.empty_strided(shape, stride, dtype=dtype, device=buf.device)
-                    for i, (name, (shape, stride, dtype)) in enumerate(
-                        zip(names, self.outs, strict=True)
-                    )
-                }
-                return out_op(*args, **kwargs, **outs)
-        return self.func(*args, **kwargs)
+        return _run(self.func, args, kwargs, alloc, self.outs)
+
+
+def _run(func: Any, args: Any, kwargs: dict[str, Any], alloc: _Alloc | None, outs: _Layouts) -> Any:
+    """``func(*args, **kwargs)``, into ``alloc``'s memory where it gives some.
+
+    NOTE [ Rebuilt tensors in the store's memory ]: through the op's out=
+    overload, the output ``alloc`` names in that memory and any others in
+    fresh tensors of the layouts ``outs`` gives.
+    """
+    found = _out_overload(func) if alloc is not None else None
+    if found is not None and len(found[1]) in (1, len(outs)):
+        assert alloc is not None
+        out_op, names = found
+        buf = alloc[0]()
+        if buf is not None:
+            if len(names) == 1:
+                return out_op(*args, **kwargs, out=buf)
+            others = {
+                name: buf
+                if i == alloc[1]
+                else torch.empty_strided(shape, stride, dtype=dtype, device=buf.device)
+                for i, (name, (shape, stride, dtype)) in enumerate(zip(names, outs, strict=True))
+            }
+            return out_op(*args, **kwargs, **others)
+    return func(*args, **kwargs)
 
 
 # NOTE [ Rebuilt tensors in the store's memory ]
@@ -705,14 +713,7 @@ class _GraphNode:
 
     def value(self, alloc: _Alloc | None = None) -> Any:
         """The op's output, made now (into ``alloc``'s memory if it gives some)."""
-        args = [_value(leaf) for leaf in self.inputs]
-        if alloc is not None:  # NOTE [ Rebuilt tensors in the store's memory ]
-            found = _out_overload(self.func)
-            if found is not None and len(found[1]) == 1:
-                buf = alloc[0]()
-                if buf is not None:
-                    return found[0](*args, **self.kwargs, out=buf)
-        return self.func(*args, **self.kwargs)
+        return _run(self.func, [_value(leaf) for leaf in self.inputs], self.kwargs, alloc, ())
 
 
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
