@@ -1695,7 +1695,10 @@ def test_a_plan_that_rebuilds_whole_blocks_checkpoints_them_natively(
 
 
 def _rebuilding_from_the_graph(profile: Profile, budget: int) -> Plan:
-    """make_plan, but the plan rebuilds what the graph can (GELU's outputs) and keeps the rest."""
+    """make_plan, but the plan rebuilds what the graph can (GELU's and LayerNorm's outputs).
+
+    And keeps the rest.
+    """
     choices: list[Any] = ["keep"] * len(profile.saves)
     for i in profile.graph_saves:
         choices[i] = "rebuild"
@@ -1738,20 +1741,23 @@ def test_a_plan_rebuilds_gelus_outputs_from_the_graph_with_no_recorder(
     spill_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # NOTE [ Rebuilt from the graph ] in recompute.py: the planned step records
-    # no op, packs a recipe for each GELU output the next Linear saves, and
-    # its gradients are eager's, bitwise, dropout and all.
+    # no op, packs a recipe for each GELU and LayerNorm output the next Linear
+    # saves, and its gradients are eager's, bitwise, dropout and all.
     store = _planning_with(spill_root, monkeypatch, _rebuilding_from_the_graph)
     calls, packed, before, after = _watched_planned_step(store, monkeypatch)
     plan = store.plan()
     assert plan is not None
     saves = plan.profile.saves
     graph = [i for i, s in enumerate(saves) if s.graph]
-    # One a block: the 4d-wide GELU output, saved by the Linear after it.
+    # Each saved by the Linear after it: the 4d-wide GELU output, one a
+    # block, and the d-wide LayerNorm outputs, two a block and the last one
+    # (their eps as the profiled step's recorder saw it: NOTE [ A norm's eps ]).
     # Not the attention weights after dropout (on a CPU, their product with
     # the mask, whose node holds the mask alone: the mask needs no gradient).
-    assert len(graph) == CONFIG.layers
     width = 4 * (CONFIG.seq - 1) * 4 * CONFIG.d_model  # batch 4, the tokens but the last
-    assert all(saves[i].nbytes == 4 * width and saves[i].op == "aten.view" for i in graph)
+    sizes = sorted(saves[i].nbytes for i in graph)
+    assert sizes == [width] * (2 * CONFIG.layers + 1) + [4 * width] * CONFIG.layers
+    assert all(saves[i].op == "aten.view" for i in graph if saves[i].nbytes == 4 * width)
     assert planner.from_graph(plan.profile, plan.choices) == set(graph)
     assert recorded_rebuilds(plan.profile, plan.choices) == 0
     assert not store._regions.records and calls == []  # nothing recorded
@@ -1789,7 +1795,8 @@ def test_a_rebuild_from_the_graph_reads_a_stored_input_once_and_records_nothing(
     saves = plan.profile.saves
     graph = sorted(plan.profile.graph_saves)
     inputs = sorted({j for i in graph for j in saves[i].inputs})
-    assert len(graph) == len(inputs) == CONFIG.layers
+    # GELU's outputs and LayerNorm's (NOTE [ A norm's eps ]), each of its own input.
+    assert len(graph) == len(inputs) == 3 * CONFIG.layers + 1
     assert [plan.choices[j] for j in inputs] == ["offload"] * len(inputs)
     assert planner.from_graph(plan.profile, plan.choices) == set(graph)
     assert recorded_rebuilds(plan.profile, plan.choices) == 0

@@ -902,6 +902,90 @@ def test_recipes_from_the_graph_rebuild_gelu_silu_and_swiglu_bitwise(
     del loss
 
 
+def _saved_by_linear_after(
+    norm: torch.nn.Module, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``Linear(norm(x))`` under hooks that keep every save as it is: the norm's output,
+    the Linear's, and what the Linear saved."""
+    lin = torch.nn.Linear(x.shape[-1], 8, device=x.device, dtype=x.dtype)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        saved.append(t)
+        return t.detach(), t._version
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p[0]):
+        h = norm(x)
+        before = len(saved)
+        y = lin(h)
+    return h, y, saved[before:]
+
+
+def _norm_output(saved: list[torch.Tensor]) -> torch.Tensor:
+    """Of a Linear's saves, the view of the norm's output it took as its input."""
+    (t,) = [t for t in saved if t._base is not None and t.dim() == 2 and t.shape[1] == 32]
+    return t
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_layer_norms_output_is_rebuilt_from_the_graph_with_the_eps_the_recorder_saw(
+    device: str, dtype: torch.dtype
+) -> None:
+    # NOTE [ A norm's eps ]: the node holds no eps. Until a recorder has seen
+    # the op with this weight, no recipe; after, the rebuild is forward's
+    # output, bitwise, with an eps other than the default (a rebuild with
+    # the default would differ).
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(32, eps=1e-2, device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(4, 8, 32, device=device, dtype=dtype, requires_grad=True) * 3
+    _, _, saved = _saved_by_linear_after(norm, x)
+    t = _norm_output(saved)
+    assert recompute.graph_op(t, lambda p: p) is None
+    assert recompute.graph_recipe(t, t.numel() * t.element_size(), lambda p: p) is None
+
+    with Recorder(everything, lambda t: False):
+        norm(x)  # a profiled step's forward: the recorder sees the op
+    h, y, saved = _saved_by_linear_after(norm, x)
+    t = _norm_output(saved)
+    assert recompute.graph_op(t, lambda p: p).name() == "NativeLayerNormBackward0"
+    recipe = recompute.graph_recipe(t, t.numel() * t.element_size(), lambda p: p)
+    assert recipe is not None
+    rebuilt = recipe.rebuild(lambda *a: None)
+    assert torch.equal(rebuilt, t) and rebuilt.stride() == t.stride()
+    default = F.layer_norm(x.detach(), (32,), norm.weight, norm.bias).view(-1, 32)
+    assert not torch.equal(default, t)  # the eps matters: the recorder's was taken
+    del h, y
+
+
+def test_a_layer_norm_whose_eps_is_in_doubt_is_not_rebuilt_from_the_graph() -> None:
+    # NOTE [ A norm's eps ]: one weight seen with two eps values; a norm
+    # with no weight (its node saves none). Neither gets a recipe.
+    x = torch.randn(4, 8, 32, requires_grad=True)
+    norm = torch.nn.LayerNorm(32)
+    with Recorder(everything, lambda t: False):
+        norm(x)
+        F.layer_norm(x, (32,), norm.weight, norm.bias, eps=1e-3)
+    _, _, saved = _saved_by_linear_after(norm, x)
+    t = _norm_output(saved)
+    assert recompute.graph_op(t, lambda p: p) is None
+    assert recompute.graph_recipe(t, t.numel() * 4, lambda p: p) is None
+
+    bare = torch.nn.LayerNorm(32, elementwise_affine=False)
+    with Recorder(everything, lambda t: False):
+        bare(x)
+    _, _, saved = _saved_by_linear_after(bare, x)
+    t = _norm_output(saved)
+    assert recompute.graph_op(t, lambda p: p) is None
+    assert recompute.graph_recipe(t, t.numel() * 4, lambda p: p) is None
+
+
 @pytest.mark.parametrize("view", [False, True])
 def test_a_recorded_rebuild_takes_an_input_rebuilt_from_the_graph(view: bool) -> None:
     # NOTE [ Rebuilt from the graph ]: where the recorder cannot rebuild a

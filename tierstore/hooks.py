@@ -1845,7 +1845,7 @@ class TierStore:
                 input_keys=tuple(p.key for p in inputs if type(p) is Handle),
                 cuda=t.is_cuda,
                 made_in=made_in,
-                graph=graph_op(t) is not None,
+                graph=graph_op(t, _held) is not None,
             )
         return handle
 

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -40,6 +41,7 @@ from tierstore.handle import Handle, Saved
 __all__ = [
     "CHEAP_OPS",
     "GRAPH_OPS",
+    "GraphOp",
     "Policy",
     "Recipe",
     "Recorder",
@@ -704,16 +706,27 @@ class _GraphNode:
     shares nothing: no cache, no lock, no argument tree to rebuild.
     """
 
-    __slots__ = ("func", "inputs", "kwargs")
+    __slots__ = ("func", "inputs", "kwargs", "names")
 
-    def __init__(self, func: Any, inputs: list[_Input], kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        func: Any,
+        inputs: list[_Input],
+        kwargs: dict[str, Any],
+        names: tuple[str, ...] | None = None,
+    ) -> None:
         self.func = func
         self.inputs = inputs
         self.kwargs = kwargs
+        self.names = names  # the inputs' argument names, where passed by name (GraphOp.by_name)
 
     def value(self, alloc: _Alloc | None = None) -> Any:
         """The op's output, made now (into ``alloc``'s memory if it gives some)."""
-        return _run(self.func, [_value(leaf) for leaf in self.inputs], self.kwargs, alloc, ())
+        values = [_value(leaf) for leaf in self.inputs]
+        if self.names is None:
+            return _run(self.func, values, self.kwargs, alloc, ())
+        named = dict(zip(self.names, values, strict=True))
+        return _run(self.func, (), self.kwargs | named, alloc, ())
 
 
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -738,7 +751,8 @@ def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
 # cache and no lock, and backward calls the op straight.
 # It makes one only where that is exact:
 #   * the op is in GRAPH_OPS: deterministic, out of place, every argument
-#     held by its node (LayerNorm's node lacks eps, so it is not);
+#     held by its node; LayerNorm's node lacks eps, which the op's recorder
+#     notes as forward runs it (NOTE [ A norm's eps ]);
 #   * the saved tensor is at version 0: nothing changed it in place since
 #     the op made its base, so the base is the op's output as it was;
 #   * each input is kept on the device as it is (``kept`` resolves its
@@ -759,21 +773,106 @@ def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
 # whose every rebuild is such runs no recorder at all, and its modules that
 # keep everything run without hooks (NOTE [ Modules kept whole ]).
 
-#: Backward nodes whose op a rebuild runs again from what the node holds:
-#: the op, its tensor arguments and then its other ones, by the names the
-#: node saves them under (``_raw_saved_self``, ``_saved_approximate``).
-GRAPH_OPS: dict[str, tuple[Any, tuple[str, ...], tuple[str, ...]]] = {
-    "GeluBackward0": (torch.ops.aten.gelu.default, ("self",), ("approximate",)),
-    "SiluBackward0": (torch.ops.aten.silu.default, ("self",), ()),
-    "MulBackward0": (torch.ops.aten.mul.Tensor, ("self", "other"), ()),
+
+class GraphOp(NamedTuple):
+    """How a rebuild runs an op again from its backward node (NOTE [ Rebuilt from the graph ]).
+
+    Attributes:
+        func: the op.
+        tensors: its tensor arguments, by the names the node saves them
+            under (``_raw_saved_self``); passed first, in this order, unless
+            ``by_name``.
+        others: its other arguments the node holds (``_saved_approximate``),
+            passed by name.
+        by_name: the tensors are passed by name too (they are not the op's
+            first arguments).
+        output: which of the op's outputs the saved tensor's base is
+            (``None``: its only one).
+        eps: the op takes an ``eps`` its node does not hold: the one the
+            recorder saw forward pass with the same weight (NOTE [ A
+            norm's eps ]); without one, no rebuild from the graph.
+
+    Example:
+        >>> from tierstore.recompute import GRAPH_OPS
+        >>> GRAPH_OPS["GeluBackward0"].others
+        ('approximate',)
+    """
+
+    func: Any
+    tensors: tuple[str, ...]
+    others: tuple[str, ...] = ()
+    by_name: bool = False
+    output: int | None = None
+    eps: bool = False
+
+
+#: Backward nodes whose op a rebuild runs again from what the node holds, by
+#: the node's type name.
+GRAPH_OPS: dict[str, GraphOp] = {
+    "GeluBackward0": GraphOp(torch.ops.aten.gelu.default, ("self",), ("approximate",)),
+    "SiluBackward0": GraphOp(torch.ops.aten.silu.default, ("self",)),
+    "MulBackward0": GraphOp(torch.ops.aten.mul.Tensor, ("self", "other")),
+    "NativeLayerNormBackward0": GraphOp(
+        torch.ops.aten.native_layer_norm.default,
+        ("input", "weight", "bias"),
+        ("normalized_shape",),
+        by_name=True,
+        output=0,
+        eps=True,
+    ),
 }
 
+# NOTE [ A norm's eps ]
+# LayerNorm's backward node holds the op's input, weight, bias and shape,
+# and the mean and rstd it made, but not eps, which backward does not need;
+# and LayerNorm's outputs are what the Linears after it save, 64 MiB of the
+# 0.5 GiB each block of a GPT on an H200 saves, rebuilt in 34 us (its plans
+# at 0.68x and 0.52x of no offload's memory could rebuild them only with
+# the recorder, 1.7 ms a rebuild, or by checkpointing whole blocks). eps is
+# a constant of the module, so the recorder notes it, as it sees the op in
+# a profiled step, under the weight's storage (weakly: a storage freed and
+# its memory reused is never found); a weight seen with two eps values is
+# noted as having none. A rebuild from the graph takes that eps: the same
+# kernel on the same input, weight, bias and eps makes the same bits. A
+# norm the recorder never saw, or one with no weight, is not rebuilt from
+# the graph (the save is stored, or the recorder rebuilds it).
+_NORM_EPS: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+_NORM_EPS_LOCK = threading.Lock()
+_LAYER_NORM = torch.ops.aten.native_layer_norm.default
 
-def graph_op(t: torch.Tensor) -> Any:
+
+def _note_eps(args: Any, kwargs: dict[str, Any]) -> None:
+    """Note the eps a native_layer_norm call passes, under its weight (NOTE [ A norm's eps ])."""
+    names = ("input", "normalized_shape", "weight", "bias", "eps")
+    bound = dict(zip(names, args, strict=False)) | kwargs  # the schema's order
+    weight = bound.get("weight")
+    if not isinstance(weight, torch.Tensor) or "eps" not in bound:
+        return
+    eps = float(bound["eps"])
+    key = weight.untyped_storage()
+    with _NORM_EPS_LOCK:
+        seen = _NORM_EPS.get(key)
+        _NORM_EPS[key] = eps if seen is None or seen == eps else math.nan
+
+
+def _eps_of(weight: torch.Tensor | None) -> float | None:
+    """The eps noted for a norm with ``weight`` (NOTE [ A norm's eps ]); ``None``: none known."""
+    if weight is None:
+        return None
+    with _NORM_EPS_LOCK:
+        eps = _NORM_EPS.get(weight.untyped_storage())
+    return None if eps is None or math.isnan(eps) else eps
+
+
+def graph_op(
+    t: torch.Tensor, kept: Callable[[Any], tuple[torch.Tensor, int] | None] = lambda p: None
+) -> Any:
     """The autograd node whose op made ``t``'s base, if :data:`GRAPH_OPS` can run it again.
 
     NOTE [ Rebuilt from the graph ]. ``None`` where not: another op, an
-    input the node did not save, or ``t`` modified in place since.
+    input the node did not save, ``t`` modified in place since, or a norm
+    whose eps is not known (NOTE [ A norm's eps ]; ``kept`` resolves the
+    packed weight, as for :func:`graph_recipe`).
 
     Example:
         >>> import torch
@@ -785,12 +884,15 @@ def graph_op(t: torch.Tensor) -> Any:
         True
     """
     found = _graph_node(t)
-    if found is None or any(_packed_input(found[0], name) is None for name in found[1][1]):
+    if found is None or any(_packed_input(found[0], name) is None for name in found[1].tensors):
         return None  # or an input its node did not save (mul by a mask that needs no grad)
-    return found[0]
+    node, op = found
+    if op.eps and _eps_of(_weight(node, kept)) is None:
+        return None  # NOTE [ A norm's eps ]
+    return node
 
 
-def _graph_node(t: torch.Tensor) -> tuple[Any, tuple[Any, tuple[str, ...], tuple[str, ...]]] | None:
+def _graph_node(t: torch.Tensor) -> tuple[Any, GraphOp] | None:
     """The node that made ``t``'s base and its :data:`GRAPH_OPS` entry, if it has one."""
     if t._version:
         return None
@@ -798,6 +900,15 @@ def _graph_node(t: torch.Tensor) -> tuple[Any, tuple[Any, tuple[str, ...], tuple
     node = base.grad_fn
     found = GRAPH_OPS.get(type(node).__name__) if node is not None else None
     return None if found is None else (node, found)
+
+
+def _weight(node: Any, kept: Callable[[Any], tuple[torch.Tensor, int] | None]) -> Any:
+    """The weight a norm's node holds, where it is kept as it is; else ``None``."""
+    packed = _packed_input(node, "weight")
+    if isinstance(packed, torch.Tensor):  # saved with no hooks: the tensor itself
+        return packed
+    held = kept(packed) if packed is not None else None
+    return held[0] if held is not None else None
 
 
 def _packed_input(node: Any, name: str) -> Any:
@@ -835,9 +946,9 @@ def graph_recipe(
     found = _graph_node(t)  # its inputs checked below, each looked up once
     if found is None:
         return None
-    node, (func, tensors, others) = found
+    node, op = found
     leaves: list[Any] = []
-    for name in tensors:
+    for name in op.tensors:
         packed = _packed_input(node, name)
         held = kept(packed) if packed is not None else None
         if held is not None:
@@ -846,16 +957,22 @@ def graph_recipe(
             leaves.append(_Input(_Stored.of(packed, fetch), None, packed))  # stored: read once
         else:
             return None  # not saved, or rebuilt itself
+    kwargs = {name: getattr(node, "_saved_" + name) for name in op.others}
+    if op.eps:  # NOTE [ A norm's eps ]
+        eps = _eps_of(_weight(node, kept))
+        if eps is None:
+            return None
+        kwargs["eps"] = eps
     for leaf in leaves:  # this node is one more user of each stored input's read
         if isinstance(leaf.source, _Shared):
             leaf.source.add_use()
-    node_of = _GraphNode(func, leaves, {name: getattr(node, "_saved_" + name) for name in others})
+    node_of = _GraphNode(op.func, leaves, kwargs, op.tensors if op.by_name else None)
     base = t._base
     if base is None:
-        return Recipe(node_of, None, t, nbytes, 1)
+        return Recipe(node_of, op.output, t, nbytes, 1)
     offset = int(t.storage_offset() - base.storage_offset())
     return Recipe(
-        node_of, None, t, nbytes, 1, view=(tuple(base.shape), tuple(base.stride()), offset)
+        node_of, op.output, t, nbytes, 1, view=(tuple(base.shape), tuple(base.stride()), offset)
     )
 
 
@@ -917,6 +1034,8 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)
+        if func is _LAYER_NORM:
+            _note_eps(args, kwargs)  # NOTE [ A norm's eps ]
         if self._timer is not None:
             return self._timed_call(func, args, kwargs)
         out = func(*args, **kwargs)
