@@ -932,18 +932,20 @@ def _norm_output(saved: list[torch.Tensor]) -> torch.Tensor:
     ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
 def test_a_layer_norms_output_is_rebuilt_from_the_graph_with_the_eps_the_recorder_saw(
-    device: str, dtype: torch.dtype
+    device: str, dtype: torch.dtype, bias: bool
 ) -> None:
     # NOTE [ A norm's eps ]: the node holds no eps. Until a recorder has seen
     # the op with this weight, no recipe; after, the rebuild is forward's
     # output, bitwise, with an eps other than the default (a rebuild with
-    # the default would differ).
+    # the default would differ); with no bias too (GraphOp.optional).
     torch.manual_seed(0)
-    norm = torch.nn.LayerNorm(32, eps=1e-2, device=device, dtype=dtype)
+    norm = torch.nn.LayerNorm(32, eps=1e-2, bias=bias, device=device, dtype=dtype)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
-        norm.bias.uniform_(-0.5, 0.5)
+        if bias:
+            norm.bias.uniform_(-0.5, 0.5)
     x = torch.randn(4, 8, 32, device=device, dtype=dtype, requires_grad=True) * 3
     _, _, saved = _saved_by_linear_after(norm, x)
     t = _norm_output(saved)

@@ -786,6 +786,9 @@ class GraphOp(NamedTuple):
             passed by name.
         by_name: the tensors are passed by name too (they are not the op's
             first arguments).
+        optional: of ``tensors``, those the op may have been given as
+            ``None``, which its node then holds as nothing (a LayerNorm's
+            bias); passed by name, as ``None``.
         output: which of the op's outputs the saved tensor's base is
             (``None``: its only one).
         eps: the op takes an ``eps`` its node does not hold: the one the
@@ -802,6 +805,7 @@ class GraphOp(NamedTuple):
     tensors: tuple[str, ...]
     others: tuple[str, ...] = ()
     by_name: bool = False
+    optional: tuple[str, ...] = ()
     output: int | None = None
     eps: bool = False
 
@@ -817,6 +821,7 @@ GRAPH_OPS: dict[str, GraphOp] = {
         ("input", "weight", "bias"),
         ("normalized_shape",),
         by_name=True,
+        optional=("bias",),
         output=0,
         eps=True,
     ),
@@ -884,9 +889,11 @@ def graph_op(
         True
     """
     found = _graph_node(t)
-    if found is None or any(_packed_input(found[0], name) is None for name in found[1].tensors):
-        return None  # or an input its node did not save (mul by a mask that needs no grad)
+    if found is None:
+        return None
     node, op = found
+    if any(_packed_input(node, n) is None for n in op.tensors if n not in op.optional):
+        return None  # an input its node did not save (mul by a mask that needs no grad)
     if op.eps and _eps_of(_weight(node, kept)) is None:
         return None  # NOTE [ A norm's eps ]
     return node
@@ -947,9 +954,14 @@ def graph_recipe(
     if found is None:
         return None
     node, op = found
+    kwargs = {name: getattr(node, "_saved_" + name) for name in op.others}
     leaves: list[Any] = []
+    names: list[str] = []
     for name in op.tensors:
         packed = _packed_input(node, name)
+        if packed is None and name in op.optional:
+            kwargs[name] = None  # the op had none (LayerNorm(bias=False))
+            continue
         held = kept(packed) if packed is not None else None
         if held is not None:
             leaves.append(_Input(held[0], held[1]))
@@ -957,7 +969,7 @@ def graph_recipe(
             leaves.append(_Input(_Stored.of(packed, fetch), None, packed))  # stored: read once
         else:
             return None  # not saved, or rebuilt itself
-    kwargs = {name: getattr(node, "_saved_" + name) for name in op.others}
+        names.append(name)
     if op.eps:  # NOTE [ A norm's eps ]
         eps = _eps_of(_weight(node, kept))
         if eps is None:
@@ -966,7 +978,7 @@ def graph_recipe(
     for leaf in leaves:  # this node is one more user of each stored input's read
         if isinstance(leaf.source, _Shared):
             leaf.source.add_use()
-    node_of = _GraphNode(op.func, leaves, kwargs, op.tensors if op.by_name else None)
+    node_of = _GraphNode(op.func, leaves, kwargs, tuple(names) if op.by_name else None)
     base = t._base
     if base is None:
         return Recipe(node_of, op.output, t, nbytes, 1)
