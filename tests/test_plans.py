@@ -48,6 +48,7 @@ from tierstore.planner import (
     simulate,
 )
 from tierstore.plans import PLANS_KEPT, REFIT_STEPS, PlanRunner
+from tierstore.readahead import ReadAhead
 from tierstore.recompute import Recipe, Recorder
 from tierstore.store import TierManager
 from tierstore.transfers import Transfers
@@ -1691,6 +1692,50 @@ def test_a_plan_that_rebuilds_whole_blocks_checkpoints_them_natively(
         per_page = host.page_fault_s() / mmap.PAGESIZE
         assert plan.profile.hand_back_s == pytest.approx(per_page * plan.profile.saved_bytes)
         assert plan.profile.hand_back_s > 0
+    store.close()
+
+
+def _offloading_the_first_block(profile: Profile, budget: int) -> Plan:
+    """make_plan, but the plan offloads the first block's saves, keeps the rest, and reads
+    ahead through the profile's window (all those saves at once)."""
+    choices: list[Any] = ["keep"] * len(profile.saves)
+    for name, first, end in profile.spans:
+        if name.endswith("blocks.0"):
+            choices[first:end] = ["offload"] * (end - first)
+    plan = make_plan(profile, budget)
+    return replace(plan, choices=tuple(choices), window_bytes=profile.window_bytes)
+
+
+@pytest.mark.filterwarnings("ignore::tierstore.TierstoreWarning")  # a forced plan's peak
+def test_a_planned_steps_reads_go_out_as_its_backward_begins(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ Reads from backward's start ] in store.py: the plan keeps every
+    # save after the first block's, so backward's first get is for the
+    # first block, at its end. Its reads were sent out from backward's first
+    # use, a kept save's: every offloaded entry backward asks for had been
+    # read ahead, the first too (before, a read on demand).
+    store = _planning_with(spill_root, monkeypatch, _offloading_the_first_block)
+    asked: list[bool] = []
+    arrived = ReadAhead.arrived
+
+    def noting(self: ReadAhead, entry: Any, *, ahead: bool, landed: bool, first: bool) -> None:
+        asked.append(ahead)
+        arrived(self, entry, ahead=ahead, landed=landed, first=first)
+
+    model = _model()
+    eager = [_step(model, step) for step in range(4)]
+    for step in range(4):
+        if step == 3:
+            monkeypatch.setattr(ReadAhead, "arrived", noting)
+        with store.offload():
+            grads = _step(model, step)
+        _same([grads], [eager[step]])
+    plan = store.plan()
+    assert plan is not None
+    assert planner.offloaded_saves(plan.profile, plan.choices) > 0
+    assert plan.choices[-1] == "keep"
+    assert asked and all(asked), asked
     store.close()
 
 

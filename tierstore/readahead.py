@@ -42,7 +42,9 @@ __all__ = ["ReadAhead"]
 # Backward asks for entries in the order the Schedule predicts (recorded from
 # the last step, else reverse pack order). Each get() tops up a window of
 # reads in flight, up to the window's limit (NOTE [ In-flight sizing ]), and
-# then waits, outside the lock, only for the entry it needs. A read of an
+# then waits, outside the lock, only for the entry it needs; in a timed step
+# the first top-up comes at backward's first use of any save (NOTE [ Reads
+# from backward's start ] in tierstore/store.py). A read of an
 # entry whose write is still under way is chained after that write. An
 # unpack of an entry that never left the device (or of a rebuilt tensor's
 # inputs, which come through get() too) tops up the window all the same

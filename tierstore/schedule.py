@@ -74,12 +74,16 @@ class Schedule:
         self._keys.append(key)
         self._signature.append(signature)
 
-    def unpacked(self, key: int) -> None:
-        """An entry was asked for; the first call of a backward makes the plan."""
+    def begin(self) -> None:
+        """Backward begins: make the plan, unless this backward has begun already."""
         if not self.unpacking:
             self.unpacking = True
             self._plan = self._make_plan()
             self._cursor = 0
+
+    def unpacked(self, key: int) -> None:
+        """An entry was asked for; the first call of a backward makes the plan (:meth:`begin`)."""
+        self.begin()
         index = self._index.pop(key, None)
         if index is not None:  # first unpack of an entry of this step
             self._order.append(index)

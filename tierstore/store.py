@@ -171,6 +171,19 @@ __all__ = ["TierManager", "resting_nbytes"]
 # the count: its block runs without hooks after its first save, counted as
 # the block it repeats (stayed_as_before; NOTE [ Quiet blocks ] in hooks.py).
 
+# NOTE [ Reads from backward's start ]
+# Backward's reads ahead used to go out at its first unpack of an entry,
+# the first get(). In a planned step, the saves it keeps take no entry and
+# no get (NOTE [ Saves that stay ]): a plan that offloads the first blocks'
+# saves, as one should (their reads have all of backward to come back),
+# made its first get when backward reached those blocks, a miss, with the
+# rest of the window's reads behind it; yet the planner plays every read
+# from backward's start (planner.simulate), and the plan is priced so. So
+# a timed step's first use in backward (the hooks' backward_began, at a
+# kept save as at a stored one) begins the reads: the schedule's order, the
+# window's bound, and a top-up, whose reads count as the first unpack's
+# (NOTE [ Hits ] in tierstore/readahead.py).
+
 # NOTE [ Deferred release ]
 # A Handle's finalizer can run at any moment: in another thread, or in this
 # one while put() holds the lock (a garbage collection triggered inside put).
@@ -511,12 +524,9 @@ class TierManager:
                 timer = self.plans.timer
                 self._transfers.blocked = timer.blocked if timer is not None else None
             first = not self._schedule.unpacking
+            if first:
+                self._begin_reads()
             self._schedule.unpacked(entry.key)
-            if first and self.plans is not None:  # NOTE [ Planned steps ]
-                held = self._writes.queued_bytes + self._tiers["device"].bytes
-                # NOTE [ In-flight sizing ] in sizing.py: a plan's window exactly
-                ahead = self.plans.read_ahead_bytes(held)
-                self._reads.limit.hold_to(ahead, exact=self.plans.planned)
             got = self._fetch(entry, first)
             if self.plans is not None:  # with this entry taken and the reads topped up
                 self._note_resident()
@@ -563,14 +573,34 @@ class TierManager:
             counts[0] += n
             counts[1] += nbytes
 
+    def _begin_reads(self) -> None:
+        """Backward's reads begin: the schedule's order, the window's bound; under the lock."""
+        self._schedule.begin()
+        if self.plans is not None:  # NOTE [ Planned steps ]
+            held = self._writes.queued_bytes + self._tiers["device"].bytes
+            # NOTE [ In-flight sizing ] in sizing.py: a plan's window exactly
+            ahead = self.plans.read_ahead_bytes(held)
+            self._reads.limit.hold_to(ahead, exact=self.plans.planned)
+
     def backward_began(self) -> None:
-        """A timed step's backward used its first save: take the peak here.
+        """A timed step's backward used its first save: take the peak, start the reads.
 
         Forward only adds what the plan keeps, so this is where all of it is
-        resident (NOTE [ Saves that stay ]); a profiled step's peak is not judged.
+        resident (NOTE [ Saves that stay ]); a profiled step's peak is not
+        judged. NOTE [ Reads from backward's start ]: the reads ahead go out
+        now, not at the first unpack of an entry.
         """
         with self._counts:
             self._resident_peak = max(self._resident_peak, self._kept_resident())
+        if self._schedule.unpacking or not self._entries:
+            return  # begun already (a step's second backward), or nothing to read
+        with self._locked():
+            if self._closed or self._schedule.unpacking:
+                return
+            self._begin_reads()
+            self._reads.passed(first=True)
+            if self.plans is not None:
+                self._note_resident()
 
     def _kept_resident(self) -> int:
         """What the plan kept, the device tier and the write queue; under _counts.
