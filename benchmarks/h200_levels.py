@@ -1,4 +1,4 @@
-"""The plans the planner makes, with no GPU, on an H200 run's profile at issue 33's memory levels.
+"""The plans the planner makes, with no GPU, on an H200 run's profile at four memory levels.
 
     python3 benchmarks/h200_levels.py [RUN.json ...] [--row budget=0.84] [--norms-from-graph]
 
@@ -8,12 +8,12 @@ For each run this takes one row's profile and plans it at 0.84x, 0.68x,
 0.52x and 0.37x of no offload's largest allocated memory (the memory not
 saved by the step, parameters and the rest, as no offload's allocated
 less the profile's saved bytes), then prints each plan's predicted step
-over the profile's own step with everything kept, beside issue 33's
-target, and what the plan does. A prediction, not a measurement: the
-planned steps of these runs ran within 2-5% of their plans' predictions
-where the plan moved nothing (tests/test_planner.py), and 5-12% over where
-it moved saves before moved saves were priced (NOTE [ Pricing a moved
-save first ] in tierstore/plans.py).
+over the profile's own step with everything kept, beside the target for
+that level (issue 33's), and what the plan does. A prediction, not a
+measurement: the planned steps of these runs ran within 2-5% of their
+plans' predictions where the plan moved nothing (tests/test_planner.py),
+and 5-12% over where it moved saves before moved saves were priced (NOTE
+[ Pricing a moved save first ] in tierstore/plans.py).
 
 ``--norms-from-graph`` marks the profile's LayerNorm outputs as
 rebuildable from the autograd graph, as a profile taken since LayerNorm
