@@ -854,13 +854,14 @@ def test_fewer_blocks_are_checkpointed_where_the_graph_rebuilds_the_rest(
         assert offloaded_saves(profile, plan.choices) == 6
 
 
-def test_checkpointing_starts_both_with_and_without_the_graphs_rebuilds() -> None:
+def test_checkpointing_counts_only_the_graphs_rebuilds_it_can_take() -> None:
     # The same profile with LayerNorm's and the first Linear's outputs
     # rebuildable from the graph too (views a Linear saves whose rebuild
-    # reads the residual stream alone; the 4d-wide views before GELU):
-    # judged only with the graph's rebuilds, the fewest blocks that fit were
-    # too few to start from, and at 0.52x the plan predicted 1.216x. Judged
-    # both ways, its starts include those the profile without them gets.
+    # reads the residual stream alone; the 4d-wide views before GELU, whose
+    # outputs then chain on them): counting every such save freed, GELU's
+    # outputs included, the fewest blocks that fit were too few to start
+    # from, and at 0.52x the plan predicted 1.216x. Counting only those
+    # from_graph() would take, no worse than the profile without them.
     run = json.loads(H200_GRAPH_RUN.read_text())
     rows = {x["row"]: x for x in run["rows"]}
     profile = _profile_of(rows["budget=0.84"]["plan"]["profile_all"])

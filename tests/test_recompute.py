@@ -988,6 +988,55 @@ def test_a_layer_norm_whose_eps_is_in_doubt_is_not_rebuilt_from_the_graph() -> N
     assert recompute.graph_recipe(t, t.numel() * 4, lambda p: p) is None
 
 
+def test_norms_whose_weights_share_one_flat_buffer_keep_their_own_eps() -> None:
+    # NOTE [ A norm's eps ]: two norms' weights, views of one buffer (as a
+    # flat parameter holds them), each with its eps: each rebuild takes its
+    # own, bitwise.
+    flat = torch.rand(64) + 0.5
+    x = torch.randn(4, 8, 32, requires_grad=True)
+    norms = []
+    for k, eps in enumerate((1e-2, 1e-4)):
+        weight = flat[32 * k : 32 * (k + 1)]
+        norms.append(lambda t, w=weight, e=eps: F.layer_norm(t, (32,), w, None, e))
+    with Recorder(everything, lambda t: False):
+        for norm in norms:
+            norm(x)
+    for norm in norms:
+        _, _, saved = _saved_by_linear_after(_Fn(norm), x)
+        t = _norm_output(saved)
+        recipe = recompute.graph_recipe(t, t.numel() * 4, lambda p: p)
+        assert recipe is not None
+        assert torch.equal(recipe.rebuild(lambda *a: None), t)
+
+
+class _Fn(torch.nn.Module):
+    """A function as a module."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+def test_a_norm_packed_by_another_hook_is_not_rebuilt_from_the_graph() -> None:
+    # A block of save_on_cpu nested inside the store's: the norm's node holds
+    # that hook's (device, tensor) pairs, which are not the pack hook's kept
+    # forms; graph_op and graph_recipe say no, rather than fail.
+    from tierstore.hooks import _held
+
+    norm = torch.nn.LayerNorm(32)
+    x = torch.randn(4, 8, 32, requires_grad=True)
+    with Recorder(everything, lambda t: False):
+        norm(x)
+    with torch.autograd.graph.save_on_cpu():
+        h = norm(x)
+    t = h.view(-1, 32)
+    assert recompute.graph_op(t, _held) is None
+    assert recompute.graph_recipe(t, t.numel() * 4, _held) is None
+
+
 @pytest.mark.parametrize("view", [False, True])
 def test_a_recorded_rebuild_takes_an_input_rebuilt_from_the_graph(view: bool) -> None:
     # NOTE [ Rebuilt from the graph ]: where the recorder cannot rebuild a

@@ -429,9 +429,15 @@ def _kept(t: torch.Tensor, planned: int = 0) -> _Kept | tuple[torch.Tensor, int]
 
 
 def _held(packed: object) -> tuple[torch.Tensor, int] | None:
-    """The tensor and version a packed object keeps on the device as it is, else ``None``."""
+    """The tensor and version a packed object keeps on the device as it is, else ``None``.
+
+    Only the pack hook's own forms: another hook's tuple (``save_on_cpu``'s
+    device and tensor, under a block nested in ours) is not one.
+    """
     if type(packed) is tuple:
-        return packed
+        if len(packed) == 2 and type(packed[1]) is int and isinstance(packed[0], torch.Tensor):
+            return packed
+        return None
     if type(packed) is _Kept:
         return packed.tensor, packed.version
     return None
@@ -1438,7 +1444,16 @@ class TierStore:
         as this backward ends. An unpack outside a backward (a saved tensor
         read off its node by hand) has no end to time.
         """
-        self._manager.backward_began()
+        # NOTE [ Reads from backward's start ] in store.py: only in a backward
+        # (not a saved tensor read by hand), its copies tierstore's own ops,
+        # and a profiled step's host time for them a moved save's (NOTE
+        # [ Pricing a moved save first ] in plans.py).
+        reads = _graph_task() != -1
+        runner = self._runner
+        if runner is not None and runner.profiling:
+            _moving(runner, False, _unrecorded, self._manager.backward_began, reads)
+        else:
+            _unrecorded(self._manager.backward_began, reads)
         with contextlib.suppress(RuntimeError):  # "only during backward pass"
             _ENGINE.queue_callback(ended)
 

@@ -828,19 +828,19 @@ def _checkpointed(profile: Profile, budget: int, window: int) -> list[tuple[Choi
 
     The fewest first modules that fit, and one and two fewer, from which
     the greedy frees the rest with the link or op-by-op rebuilds. Fit is
-    judged twice, and the starts of both are tried: with nothing else
-    freed, and with the saves the graph rebuilds (NOTE [ Rebuilt from the
-    graph ] in tierstore/recompute.py; each whose inputs stay) rebuilt
-    besides, which the greedy takes first: cheap per byte and no recorder.
-    Judged only without them, the H200 GPT step at 0.68x of no offload's
-    memory started from three to five checkpointed blocks (1.080x
-    predicted); with them, from one to three (1.060x: one block
-    checkpointed, six saves offloaded, eleven GELU outputs rebuilt from the
-    graph). Judged only with them, a profile whose graph rebuilds free most
-    of a block started from too few: at 0.52x, with the Linears' outputs
-    rebuildable from the graph too, 1.216x against 1.109x. A random op's
-    save is rebuilt too: checkpointing replays its RNG state (op by op it
-    cannot be, and no move of the greedy leaves it so).
+    judged with the saves the graph rebuilds (NOTE [ Rebuilt from the
+    graph ] in tierstore/recompute.py) rebuilt besides, as the greedy
+    takes them first: cheap per byte and no recorder; but only those whose
+    inputs stay, as from_graph() takes them (one rebuilt from another's
+    rebuild is the recorder's). Judged without them, the H200 GPT step at
+    0.68x of no offload's memory started from three to five checkpointed
+    blocks (1.080x predicted); with them, from one to three (1.060x: one
+    block checkpointed, six saves offloaded, eleven GELU outputs rebuilt
+    from the graph). Judged with all of them, chains included, a profile
+    whose first Linears' outputs the graph could rebuild as well as GELU's
+    started from too few blocks: 1.216x at 0.52x, against 1.109x. A random
+    op's save is rebuilt too: checkpointing replays its RNG state (op by op
+    it cannot be, and no move of the greedy leaves it so).
     """
     choices = list(_all(profile, "keep"))
     cheap = choices.copy()  # with the graph's rebuilds besides
@@ -848,17 +848,12 @@ def _checkpointed(profile: Profile, budget: int, window: int) -> list[tuple[Choi
         if all(cheap[j] != "rebuild" for j in profile.saves[i].inputs):
             cheap[i] = "rebuild"
     templates: list[tuple[Choice, ...]] = []
-    fit: list[int] = []  # how many first modules fit: with the graph's rebuilds, then without
-    for n, (_, first, end) in enumerate(profile.spans):
+    for _, first, end in profile.spans:
         choices[first + 1 : end] = cheap[first + 1 : end] = ["rebuild"] * (end - first - 1)
         templates.append(tuple(choices))
-        if not fit and simulate(profile, tuple(cheap), window).peak_bytes <= budget:
-            fit.append(n)
-        if fit and simulate(profile, templates[-1], window).peak_bytes <= budget:
-            fit.append(n)
-            break
-    starts = {k for n in fit for k in range(max(n - 2, 0), n + 1)}
-    return [templates[k] for k in sorted(starts, reverse=True)]
+        if simulate(profile, tuple(cheap), window).peak_bytes <= budget:
+            return templates[-3:][::-1]
+    return []
 
 
 def _windows(profile: Profile) -> list[int]:

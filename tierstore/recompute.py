@@ -835,15 +835,23 @@ GRAPH_OPS: dict[str, GraphOp] = {
 # at 0.68x and 0.52x of no offload's memory could rebuild them only with
 # the recorder, 1.7 ms a rebuild, or by checkpointing whole blocks). eps is
 # a constant of the module, so the recorder notes it, as it sees the op in
-# a profiled step, under the weight's storage (weakly: a storage freed and
-# its memory reused is never found); a weight seen with two eps values is
-# noted as having none. A rebuild from the graph takes that eps: the same
+# a profiled step, under the weight: its storage (weakly: a storage freed
+# and its memory reused is never found) and its place there (one flat
+# buffer may hold every norm's weight); a weight seen with two eps values
+# is noted as having none. A rebuild from the graph takes that eps: the same
 # kernel on the same input, weight, bias and eps makes the same bits. A
 # norm the recorder never saw, or one with no weight, is not rebuilt from
 # the graph (the save is stored, or the recorder rebuilds it).
-_NORM_EPS: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+_NORM_EPS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], float]] = (
+    weakref.WeakKeyDictionary()
+)
 _NORM_EPS_LOCK = threading.Lock()
 _LAYER_NORM = torch.ops.aten.native_layer_norm.default
+
+
+def _where(weight: torch.Tensor) -> tuple[Any, ...]:
+    """The weight's place in its storage: one flat buffer may hold every norm's."""
+    return (weight.storage_offset(), tuple(weight.shape), tuple(weight.stride()), weight.dtype)
 
 
 def _note_eps(args: Any, kwargs: dict[str, Any]) -> None:
@@ -853,19 +861,20 @@ def _note_eps(args: Any, kwargs: dict[str, Any]) -> None:
     weight = bound.get("weight")
     if not isinstance(weight, torch.Tensor) or "eps" not in bound:
         return
-    eps = float(bound["eps"])
-    key = weight.untyped_storage()
+    eps, where = float(bound["eps"]), _where(weight)
     with _NORM_EPS_LOCK:
-        seen = _NORM_EPS.get(key)
-        _NORM_EPS[key] = eps if seen is None or seen == eps else math.nan
+        noted = _NORM_EPS.setdefault(weight.untyped_storage(), {})
+        seen = noted.get(where)
+        noted[where] = eps if seen is None or seen == eps else math.nan
 
 
-def _eps_of(weight: torch.Tensor | None) -> float | None:
+def _eps_of(weight: object) -> float | None:
     """The eps noted for a norm with ``weight`` (NOTE [ A norm's eps ]); ``None``: none known."""
-    if weight is None:
+    if not isinstance(weight, torch.Tensor):
         return None
     with _NORM_EPS_LOCK:
-        eps = _NORM_EPS.get(weight.untyped_storage())
+        noted = _NORM_EPS.get(weight.untyped_storage())
+        eps = noted.get(_where(weight)) if noted is not None else None
     return None if eps is None or math.isnan(eps) else eps
 
 
@@ -906,7 +915,9 @@ def _graph_node(t: torch.Tensor) -> tuple[Any, GraphOp] | None:
     base = t._base if t._base is not None else t
     node = base.grad_fn
     found = GRAPH_OPS.get(type(node).__name__) if node is not None else None
-    return None if found is None else (node, found)
+    if found is None or base.output_nr != (found.output or 0):
+        return None  # or another output of the op (LayerNorm's mean, say)
+    return node, found
 
 
 def _weight(node: Any, kept: Callable[[Any], tuple[torch.Tensor, int] | None]) -> Any:

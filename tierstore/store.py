@@ -582,17 +582,18 @@ class TierManager:
             ahead = self.plans.read_ahead_bytes(held)
             self._reads.limit.hold_to(ahead, exact=self.plans.planned)
 
-    def backward_began(self) -> None:
+    def backward_began(self, reads: bool = True) -> None:
         """A timed step's backward used its first save: take the peak, start the reads.
 
         Forward only adds what the plan keeps, so this is where all of it is
         resident (NOTE [ Saves that stay ]); a profiled step's peak is not
         judged. NOTE [ Reads from backward's start ]: the reads ahead go out
-        now, not at the first unpack of an entry.
+        now, not at the first unpack of an entry; ``reads=False``: not yet
+        (a saved tensor read by hand, outside any backward).
         """
         with self._counts:
             self._resident_peak = max(self._resident_peak, self._kept_resident())
-        if self._schedule.unpacking or not self._entries:
+        if not reads or self._schedule.unpacking or not self._entries:
             return  # begun already (a step's second backward), or nothing to read
         with self._locked():
             if self._closed or self._schedule.unpacking:
