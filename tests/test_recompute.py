@@ -988,6 +988,23 @@ def test_a_layer_norm_whose_eps_is_in_doubt_is_not_rebuilt_from_the_graph() -> N
     assert recompute.graph_recipe(t, t.numel() * 4, lambda p: p) is None
 
 
+def test_a_norm_whose_eps_changed_since_the_recorder_saw_it_raises_at_rebuild() -> None:
+    # NOTE [ A norm's eps ]: the eps is the profile's; a module changed since
+    # is caught by forward's rstd, which the rebuild must match bit for bit,
+    # before any wrong gradient.
+    norm = torch.nn.LayerNorm(32, eps=1e-2)
+    x = torch.randn(4, 8, 32, requires_grad=True)
+    with Recorder(everything, lambda t: False):
+        norm(x)
+    norm.eps = 1e-5
+    _, _, saved = _saved_by_linear_after(norm, x)
+    t = _norm_output(saved)
+    recipe = recompute.graph_recipe(t, t.numel() * 4, lambda p: p)
+    assert recipe is not None
+    with pytest.raises(tierstore.TierstoreError, match="the eps noted for this norm is not"):
+        recipe.rebuild(lambda *a: None)
+
+
 def test_norms_whose_weights_share_one_flat_buffer_keep_their_own_eps() -> None:
     # NOTE [ A norm's eps ]: two norms' weights, views of one buffer (as a
     # flat parameter holds them), each with its eps: each rebuild takes its

@@ -706,7 +706,7 @@ class _GraphNode:
     shares nothing: no cache, no lock, no argument tree to rebuild.
     """
 
-    __slots__ = ("func", "inputs", "kwargs", "names")
+    __slots__ = ("check", "func", "inputs", "kwargs", "names")
 
     def __init__(
         self,
@@ -714,11 +714,15 @@ class _GraphNode:
         inputs: list[_Input],
         kwargs: dict[str, Any],
         names: tuple[str, ...] | None = None,
+        check: tuple[int, _Input] | None = None,
     ) -> None:
         self.func = func
         self.inputs = inputs
         self.kwargs = kwargs
         self.names = names  # the inputs' argument names, where passed by name (GraphOp.by_name)
+        # An output the node holds, which the rebuild's must equal bit for bit
+        # (a norm's rstd: NOTE [ A norm's eps ]).
+        self.check = check
 
     def value(self, alloc: _Alloc | None = None) -> Any:
         """The op's output, made now (into ``alloc``'s memory if it gives some)."""
@@ -726,7 +730,37 @@ class _GraphNode:
         if self.names is None:
             return _run(self.func, values, self.kwargs, alloc, ())
         named = dict(zip(self.names, values, strict=True))
-        return _run(self.func, (), self.kwargs | named, alloc, ())
+        out = _run(self.func, (), self.kwargs | named, alloc, ())
+        if self.check is not None:
+            index, held = self.check
+            _same_bits(out[index], _value(held), self.func)
+        return out
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(rebuilt: torch.Tensor, held: torch.Tensor, func: Any) -> None:
+    """Raise unless ``rebuilt`` is ``held`` bit for bit (NaNs too); asynchronously on a device.
+
+    NOTE [ A norm's eps ]: on CUDA a mismatch is a device-side assert, which
+    stops the process at its next synchronisation rather than let a wrong
+    gradient through; the check costs no synchronisation.
+    """
+    ok: torch.Tensor | bool = False
+    if rebuilt.shape == held.shape and rebuilt.dtype == held.dtype:
+        bits = _BITS[rebuilt.element_size()]
+        ok = torch.eq(rebuilt.view(bits), held.view(bits)).all()
+        if rebuilt.device.type != "cpu":
+            torch._assert_async(ok)
+            return
+    if not ok:
+        raise TierstoreError(
+            f"tierstore: recomputing {func} gave statistics other than forward's: the eps "
+            "noted for this norm is not the one forward used (was the module's eps changed "
+            "after its profile?). Rebuilding from it would give a wrong gradient; set "
+            "recompute='off' (TIERSTORE_RECOMPUTE), or leave eps as it was"
+        )
 
 
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -841,7 +875,14 @@ GRAPH_OPS: dict[str, GraphOp] = {
 # is noted as having none. A rebuild from the graph takes that eps: the same
 # kernel on the same input, weight, bias and eps makes the same bits. A
 # norm the recorder never saw, or one with no weight, is not rebuilt from
-# the graph (the save is stored, or the recorder rebuilds it).
+# the graph (the save is stored, or the recorder rebuilds it). eps is taken
+# on trust from the profile, so each rebuild checks it: forward's rstd,
+# which the node holds, is 1/sqrt(var + eps) row by row, and the op makes
+# its output from mean and rstd; the rebuild's rstd, bit for bit forward's,
+# means the output is too. A mismatch (the module's eps changed since its
+# profile) raises, on CUDA as a device-side assert (no synchronisation in
+# backward); a norm whose rstd is neither kept as it is nor stored (another
+# hook's) is not rebuilt from the graph.
 _NORM_EPS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], float]] = (
     weakref.WeakKeyDictionary()
 )
@@ -920,6 +961,24 @@ def _graph_node(t: torch.Tensor) -> tuple[Any, GraphOp] | None:
     return node, found
 
 
+def _leaf(
+    packed: Any,
+    kept: Callable[[Any], tuple[torch.Tensor, int] | None],
+    fetch: Callable[[Any], torch.Tensor] | None,
+) -> _Input | None:
+    """A rebuild's input from what the pack hook gave a node: kept as it is, or stored.
+
+    A stored one is read through the store once, shared with autograd's own
+    unpack of it; ``None``: neither (not saved, or rebuilt itself).
+    """
+    held = kept(packed) if packed is not None else None
+    if held is not None:
+        return _Input(held[0], held[1])
+    if fetch is not None and type(packed) is Handle:
+        return _Input(_Stored.of(packed, fetch), None, packed)
+    return None
+
+
 def _weight(node: Any, kept: Callable[[Any], tuple[torch.Tensor, int] | None]) -> Any:
     """The weight a norm's node holds, where it is kept as it is; else ``None``."""
     packed = _packed_input(node, "weight")
@@ -973,23 +1032,24 @@ def graph_recipe(
         if packed is None and name in op.optional:
             kwargs[name] = None  # the op had none (LayerNorm(bias=False))
             continue
-        held = kept(packed) if packed is not None else None
-        if held is not None:
-            leaves.append(_Input(held[0], held[1]))
-        elif fetch is not None and type(packed) is Handle:
-            leaves.append(_Input(_Stored.of(packed, fetch), None, packed))  # stored: read once
-        else:
+        leaf = _leaf(packed, kept, fetch)
+        if leaf is None:
             return None  # not saved, or rebuilt itself
+        leaves.append(leaf)
         names.append(name)
+    check = None
     if op.eps:  # NOTE [ A norm's eps ]
         eps = _eps_of(_weight(node, kept))
-        if eps is None:
+        rstd = _leaf(_packed_input(node, "result2"), kept, fetch)
+        if eps is None or rstd is None:
             return None
         kwargs["eps"] = eps
-    for leaf in leaves:  # this node is one more user of each stored input's read
-        if isinstance(leaf.source, _Shared):
+        check = (2, rstd)  # forward's rstd: the eps is checked by it
+    for leaf in [*leaves, *([check[1]] if check is not None else [])]:
+        if isinstance(leaf.source, _Shared):  # this node is one more user of a stored read
             leaf.source.add_use()
-    node_of = _GraphNode(op.func, leaves, kwargs, tuple(names) if op.by_name else None)
+    names_of = tuple(names) if op.by_name else None
+    node_of = _GraphNode(op.func, leaves, kwargs, names_of, check)
     base = t._base
     if base is None:
         return Recipe(node_of, op.output, t, nbytes, 1)
