@@ -728,9 +728,10 @@ class _GraphNode:
         """The op's output, made now (into ``alloc``'s memory if it gives some)."""
         values = [_value(leaf) for leaf in self.inputs]
         if self.names is None:
-            return _run(self.func, values, self.kwargs, alloc, ())
-        named = dict(zip(self.names, values, strict=True))
-        out = _run(self.func, (), self.kwargs | named, alloc, ())
+            out = _run(self.func, values, self.kwargs, alloc, ())
+        else:
+            named = dict(zip(self.names, values, strict=True))
+            out = _run(self.func, (), self.kwargs | named, alloc, ())
         if self.check is not None:
             index, held = self.check
             _same_bits(out[index], _value(held), self.func)
@@ -1038,6 +1039,7 @@ def graph_recipe(
         leaves.append(leaf)
         names.append(name)
     check = None
+    users = leaves
     if op.eps:  # NOTE [ A norm's eps ]
         eps = _eps_of(_weight(node, kept))
         rstd = _leaf(_packed_input(node, "result2"), kept, fetch)
@@ -1045,8 +1047,9 @@ def graph_recipe(
             return None
         kwargs["eps"] = eps
         check = (2, rstd)  # forward's rstd: the eps is checked by it
-    for leaf in [*leaves, *([check[1]] if check is not None else [])]:
-        if isinstance(leaf.source, _Shared):  # this node is one more user of a stored read
+        users = [*leaves, rstd]
+    for leaf in users:  # this node is one more user of each stored read
+        if isinstance(leaf.source, _Shared):
             leaf.source.add_use()
     names_of = tuple(names) if op.by_name else None
     node_of = _GraphNode(op.func, leaves, kwargs, names_of, check)
