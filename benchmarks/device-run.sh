@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 source benchmarks/device-setup.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 timeout 200 python3 -m pytest -q -p no:cacheprovider -m requires_cuda tests 2>&1 | tail -30 | tee "$out/pytest.txt"
-timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_fast_path.py tests/test_plans.py tests/test_recompute.py \
+timeout 100 python3 -m pytest -q -p no:cacheprovider tests/autograd/test_fast_path.py tests/planning/test_runner.py tests/autograd/test_recompute.py \
     -k 'cuda or fast or natively or nests or device or graph' 2>&1 | tail -15 | tee -a "$out/pytest.txt"
 timeout 420 python3 benchmarks/gpu_step.py --rows "$rows" --settle 8 --steps 8 --json "$out/gpu-step.json" \
     --profile "$profiled" --trace "$out/trace" >"$out/gpu-step.txt" 2>&1

@@ -38,7 +38,7 @@ from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 
 import tierstore
-from tierstore.planner import recorded_rebuilds
+from tierstore.planning.planner import recorded_rebuilds
 
 #: The most extra warm-up steps a budget row takes while its plan is made.
 MAX_STEPS_TO_A_PLAN = 60
@@ -153,7 +153,7 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if store is not None and store.config.activation_budget is not None:
         # A plan that needs a search is made in a process of its own while the
         # steps go on on the safe placement (NOTE [ Planning off the training
-        # thread ] in tierstore/plans.py): warm up until a plan has run
+        # thread ] in tierstore/planning/runner.py): warm up until a plan has run
         # --settle steps in a row (a check that finds it off remakes it).
         for _ in range(MAX_STEPS_TO_A_PLAN):
             entry = plans[-1]
@@ -227,7 +227,7 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 "table": str(plan),
                 "choices": list(plan.choices),
                 # The whole profile, for the planner offline:
-                # tierstore.planner.Profile(**{**p, "saves": tuple(Save(**s) ...)}).
+                # tierstore.planning.planner.Profile(**{**p, "saves": tuple(Save(**s) ...)}).
                 "profile_all": dataclasses.asdict(profile),
             }
         s = store.stats()

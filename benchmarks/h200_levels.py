@@ -11,13 +11,13 @@ less the profile's saved bytes), then prints each plan's predicted step
 over the profile's own step with everything kept, beside the target for
 that level (issue 33's), and what the plan does. A prediction, not a
 measurement: the planned steps of these runs ran within 2-5% of their
-plans' predictions where the plan moved nothing (tests/test_planner.py),
+plans' predictions where the plan moved nothing (tests/planning/test_planner.py),
 and 5-12% over where it moved saves before moved saves were priced (NOTE
-[ Pricing a moved save first ] in tierstore/plans.py).
+[ Pricing a moved save first ] in tierstore/planning/runner.py).
 
 ``--norms-from-graph`` marks the profile's LayerNorm outputs as
 rebuildable from the autograd graph, as a profile taken since LayerNorm
-has a GraphOp (NOTE [ A norm's eps ] in tierstore/recompute.py) marks
+has a GraphOp (NOTE [ A norm's eps ] in tierstore/autograd/recompute.py) marks
 them. In this GPT's profile they are the views the Linears save whose
 rebuild reads the residual stream (an ``aten.add`` save) alone: two a
 block and the final norm's.
@@ -31,8 +31,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from tierstore import planner
-from tierstore.planner import Profile, Save, make_plan, simulate
+from tierstore.planning import planner
+from tierstore.planning.planner import Profile, Save, make_plan, simulate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = ("2026-11-27-h200-gpu-step-c21da0f.json", "2026-11-27-h200-gpu-step-2ac90c7.json")

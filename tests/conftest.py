@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import tierstore
-from tierstore import hooks
-from tierstore.pipeline import Pipeline
-from tierstore.plans import PlanRunner
+from tierstore import tier_store as hooks
+from tierstore.planning.runner import PlanRunner
+from tierstore.tiers.movers import Pipeline
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -152,7 +152,7 @@ def in_block(store: tierstore.TierStore, fn: Callable[[], Any]) -> Any:
     """``fn()`` in ``store.offload()``: every call's block opened at this one line.
 
     A repeated step must be opened where the step it repeats was (NOTE [
-    Quiet blocks ] in tierstore/hooks.py).
+    Quiet blocks ] in tierstore/tier_store.py).
     """
     with store.offload():
         return fn()
@@ -236,7 +236,7 @@ def reads_done_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
     A read ahead has then landed when backward asks, so the hit and miss
     counts say what was read ahead, whatever the machine's load
-    (NOTE [ Hits ] in tierstore/readahead.py).
+    (NOTE [ Hits ] in tierstore/tiers/readahead.py).
     """
     original = Pipeline.submit_read
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import tierstore
-from tierstore.store import TierManager, resting_nbytes
+from tierstore.tiers.manager import TierManager, resting_nbytes
 
 JOIN_TIMEOUT_S = 60.0
 

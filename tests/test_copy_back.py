@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierstore import TierConfig, readahead
-from tierstore.store import TierManager
-from tierstore.transfers import DeviceCopy, HostCopy, Transfers
+from tierstore import TierConfig
+from tierstore.tiers import readahead
+from tierstore.tiers.manager import TierManager
+from tierstore.tiers.transfers import DeviceCopy, HostCopy, Transfers
 
 GPU = torch.device("cuda", 0)
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import tierstore
-from tierstore.backends import host
+from tierstore.tiers import host_pool as host
 
 EmptyCheck = Callable[[tierstore.TierStore], None]
 
@@ -104,7 +104,7 @@ def test_gradients_bitwise_equal_on_cuda(
         stats = compare_with_eager(build, cuda_store)
         held = sum(t.bytes for t in stats.tiers.values())
         # A step after one that fitted device_budget keeps its saves without
-        # entries (NOTE [ Saves that stay ] in store.py).
+        # entries (NOTE [ Saves that stay ] in tiers/manager.py).
         stayed = cuda_store._manager.pack_tally().counts.get("device_budget", (0, 0))[0]
         assert held > 0 or (step == 1 and stayed > 0)
     empty_check(cuda_store)
@@ -305,7 +305,7 @@ def test_second_step_prefetches_host_entries(
         # Every unpack is a hit or a miss. The first of each backward is
         # copied on demand (nothing says forward ended); every other entry
         # was already on its way. Whether its copy had landed (a hit) or not
-        # (a miss) is the GPU's timing (NOTE [ Hits ] in tierstore/readahead.py).
+        # (a miss) is the GPU's timing (NOTE [ Hits ] in tierstore/tiers/readahead.py).
         assert stats.prefetch_hits + stats.prefetch_misses == 2 * 12
         assert stats.bytes_prefetched == 2 * (entries - 1) * 1024 * 512 * 4
         assert stats.host_pool_misses == 0
@@ -436,7 +436,7 @@ def test_a_save_put_on_the_host_tier_starts_its_copy_at_once() -> None:
 
 
 def test_a_block_the_plan_keeps_whole_runs_without_hooks_on_cuda(tmp_path: Path) -> None:
-    # NOTE [ Modules kept whole ] in tierstore/hooks.py: on a GPU, the hooks' Python per
+    # NOTE [ Modules kept whole ] in tierstore/tier_store.py: on a GPU, the hooks' Python per
     # save is what a step waits on.
     def blocks() -> nn.Sequential:
         torch.manual_seed(0)

@@ -31,8 +31,8 @@ MODULES = _modules()
 def test_the_walk_finds_every_module() -> None:
     # A walk that found nothing would pass every doctest by running none.
     for name in (
-        "tierstore.planner",
-        "tierstore.plans",
+        "tierstore.planning.planner",
+        "tierstore.planning.runner",
         "tierstore.backends.lmdb",
         "tierstore.bench.train",
     ):

@@ -345,7 +345,7 @@ def test_gradient_checkpointing_on_disk_equals_eager_checkpointing(
     assert 0 < stats.packed < saves // 2, (stats.packed, saves)
 
 
-# -- recompute="cheap" (NOTE [ Recompute ] in tierstore/recompute.py) -----------------
+# -- recompute="cheap" (NOTE [ Recompute ] in tierstore/autograd/recompute.py) -----------------
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,8 @@ import torch
 
 import tierstore
 from tierstore import codec
-from tierstore.handle import Handle
-from tierstore.store import TierManager
+from tierstore.tiers.handle import Handle
+from tierstore.tiers.manager import TierManager
 
 LOST = (
     "The saved tensor it held is lost and this backward cannot finish; run the step "

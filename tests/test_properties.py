@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import tierstore
 from tierstore import codec
-from tierstore.store import TierManager
+from tierstore.tiers.manager import TierManager
 
 DTYPES = [
     torch.float32,

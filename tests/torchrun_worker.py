@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import tierstore
-from tierstore.bench.gpt import GPT, GPTConfig
+from tierstore.models import GPT, GPTConfig
 
 STEPS = 3
 #: Printed by each rank once its work is done and its result written.

@@ -25,8 +25,8 @@ from tierstore.errors import (
     TierstoreError,
     TierstoreWarning,
 )
-from tierstore.hooks import TierStore, keep, keep_module, offload, offload_module
 from tierstore.stats import Stats, TierStats
+from tierstore.tier_store import TierStore, keep, keep_module, offload, offload_module
 
 __version__ = "0.1.0"
 

@@ -19,13 +19,13 @@ import torch
 from pydantic import ByteSize
 
 from tierstore.bench.cli import add_bench_parser, summary
-from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.bench.scratch import removed_on_sigterm, scratch_dir
 from tierstore.bench.train import TrainSettings, bench_train
 from tierstore.config import TierConfig, describe_config, human_bytes
 from tierstore.errors import TierstoreError
-from tierstore.hooks import TierStore
+from tierstore.models import GPT, GPTConfig
 from tierstore.stats import TIERS, Stats
+from tierstore.tier_store import TierStore
 
 __all__ = ["build_parser", "main"]
 

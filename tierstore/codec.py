@@ -64,7 +64,7 @@ Compression = Literal["none", "zstd"]
 
 #: Gives ``nbytes`` of uint8 CPU memory: where a span, payload or scratch
 #: buffer lands. The store passes buffers it recycles (NOTE [ Leased buffers ]
-#: in ``tierstore/backends/host.py``); ``None`` means the heap (``torch.empty``).
+#: in ``tierstore/tiers/host_pool.py``); ``None`` means the heap (``torch.empty``).
 Alloc = Callable[[int], torch.Tensor]
 
 
@@ -610,7 +610,7 @@ def encode(
             (NOTE [ Records in one buffer ]).
         digest: :func:`checksum` of ``span``'s bytes, computed beforehand
             (uncompressed only: NOTE [ Checksums beside the I/O ] in
-            ``tierstore/pipeline.py``); ``None``: computed here.
+            ``tierstore/tiers/movers.py``); ``None``: computed here.
 
     Example:
         >>> import torch, safetensors.torch

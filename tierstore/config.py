@@ -351,7 +351,7 @@ class TierConfig(BaseSettings):
         default="off",
         description="'cheap': saved tensors that a cheap elementwise, normalisation or view "
         "op made from inputs stored anyway are rebuilt in backward instead of stored "
-        "(NOTE [ Recompute ] in tierstore/recompute.py).",
+        "(NOTE [ Recompute ] in tierstore/autograd/recompute.py).",
     )
 
     activation_budget: Budget = Field(
@@ -361,7 +361,7 @@ class TierConfig(BaseSettings):
         "step saves (0.3, '30%'; all of it is 1.0, and a bare whole number below 4 KiB is "
         "refused: 1 would be one byte). tierstore profiles a step and plans keep / offload / "
         "rebuild per saved tensor for the fastest step within it (NOTE [ Planning ] in "
-        "tierstore/planner.py). None: placement by the budgets above.",
+        "tierstore/planning/planner.py). None: placement by the budgets above.",
     )
 
     @field_validator("disk_path", mode="before")
@@ -410,7 +410,7 @@ class TierConfig(BaseSettings):
     # - compression_level with compression='none' or disk_budget=0: the level
     #   is inert until compression is on.
     # - disk_backend / disk_path / io_workers with disk_budget=0: the backend
-    #   is opened only when an entry reaches the disk (pipeline.py), i.e. never;
+    #   is opened only when an entry reaches the disk (tiers/movers.py), i.e. never;
     #   bench train's host-only strategy passes disk_backend with disk_budget=0.
     # - min_offload_bytes larger than every budget: only tensors that large
     #   fail, and only if one shows up (TierFullError names the budget then);
@@ -420,7 +420,7 @@ class TierConfig(BaseSettings):
     # - write_queue_bytes=0: writes are synchronous (pack waits for each).
     #   prefetch_bytes=0: no read-ahead; every unpack from disk is a miss.
     #   Both are upper bounds: below them the store sizes what is in flight
-    #   by need (NOTE [ In-flight sizing ] in tierstore/sizing.py).
+    #   by need (NOTE [ In-flight sizing ] in tierstore/tiers/sizing.py).
     # - prefetch_bytes or write_queue_bytes above host_budget: they bound
     #   bytes in flight, which are not counted in the host tier.
     # - pin_memory without CUDA: there is nothing to pin; ignored.

@@ -72,7 +72,7 @@ class Stats:
         prefetch_hits: entries whose bytes were there when backward asked:
             read ahead from disk and landed (or still in memory, their write
             not yet done), and on CUDA, host entries whose copy back to the
-            device had completed (NOTE [ Hits ] in ``tierstore/readahead.py``).
+            device had completed (NOTE [ Hits ] in ``tierstore/tiers/readahead.py``).
         prefetch_misses: entries backward had to read or copy on demand, or
             that were read or copied ahead but had not landed yet.
         bytes_prefetched: bytes read or copied ahead of use.
@@ -95,10 +95,10 @@ class Stats:
         failed_writes: disk writes that failed. None loses data: a live
             entry stays in host memory, and one released before its write
             ended needs nothing (NOTE [ Failed writes ] in
-            ``tierstore/writebehind.py``).
+            ``tierstore/tiers/writebehind.py``).
         prefetch_window_bytes: bytes backward may read ahead now: the
             window learnt from stalls, at most ``prefetch_bytes``
-            (NOTE [ In-flight sizing ] in ``tierstore/sizing.py``).
+            (NOTE [ In-flight sizing ] in ``tierstore/tiers/sizing.py``).
         prefetch_stalls: unpacks whose read or copy back had not landed
             (other than the first of a backward and the reads it sent out),
             each of which grew the window.
@@ -113,7 +113,7 @@ class Stats:
             heap.
         recomputed: saves backward rebuilds instead of reading back
             (``recompute="cheap"`` or a policy; NOTE [ Recompute ] in
-            ``tierstore/recompute.py``): never stored, never moved.
+            ``tierstore/autograd/recompute.py``): never stored, never moved.
         recomputed_bytes: the bytes those saves would have been stored in.
         restrided_views: saved views that come back with dense strides,
             not their own: thin views whose own strides reach across more

@@ -47,7 +47,7 @@ def test_the_json_has_every_row_and_its_figures(tmp_path: Path) -> None:
     assert by["kept"]["verdict"] in ("meets", "misses")
     assert by["identity"]["verdict"] == by["floor"]["verdict"] == ""
     # The stores' statistics add up: after its first step (NOTE [ Saves that
-    # stay ] in store.py), every save of the kept row stayed where it was.
+    # stay ] in tiers/manager.py), every save of the kept row stayed where it was.
     kept = by["kept"]["stats"]
     assert kept["packed"] == 12 * kept["saves_per_step"]  # 4 warm-up and 8 timed steps
     assert kept["kept"] >= kept["packed"] - kept["saves_per_step"]

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from tierstore.bench import train, train_measure, train_report, train_runs, train_strategies
-from tierstore.bench.gpt import GPT, GPTConfig
 from tierstore.bench.report import Progress
 from tierstore.errors import TierstoreError
-from tierstore.hooks import TierStore
+from tierstore.models import GPT, GPTConfig
+from tierstore.tier_store import TierStore
 
 from .conftest import parse_bench, run_bench
 

@@ -13,9 +13,9 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from tierstore.bench import train, train_measure, train_report, train_strategies, train_sweep
-from tierstore.bench.gpt import build_model, saved_bytes
 from tierstore.bench.train_settings import MODEL_OPTIONS
 from tierstore.errors import TierstoreError
+from tierstore.models import build_model, saved_bytes
 from tierstore.stats import TIERS
 
 from .conftest import parse_bench, run_bench

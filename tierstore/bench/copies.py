@@ -31,7 +31,7 @@ import torch
 from tierstore.bench.report import fmt_ratio, format_table, median
 from tierstore.config import TierConfig
 from tierstore.errors import TierstoreError
-from tierstore.transfers import Transfers
+from tierstore.tiers.transfers import Transfers
 
 __all__ = ["CopyRow", "bench_copies", "format_copies"]
 

@@ -27,7 +27,7 @@ import gc
 import os
 from typing import Any
 
-from tierstore.backends.host import release_free_heap
+from tierstore.tiers.host_pool import release_free_heap
 
 __all__ = ["AnonRss", "follow_live_memory", "release_free_memory"]
 

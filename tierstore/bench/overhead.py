@@ -5,7 +5,7 @@ step with little compute around each, so the cost of a save's trip through
 the hooks and the store is not hidden behind compute. ``--block N`` groups
 the layers N pairs to a module, as a transformer's blocks group their ops:
 a module whose saves a plan keeps whole runs without hooks (NOTE [ Modules
-kept whole ] in tierstore/hooks.py), which a flat chain, one save to a
+kept whole ] in tierstore/tier_store.py), which a flat chain, one save to a
 module, never shows. Rows, side by side
 in one process: no hooks, identity ``saved_tensors_hooks``, the floor (hooks
 that hold a detached alias and check its version at unpack: the least a
@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from tierstore.config import TierConfig
-from tierstore.hooks import TierStore
+from tierstore.tier_store import TierStore
 
 __all__ = ["OverheadRow", "add_arguments", "measure", "run"]
 
@@ -322,7 +322,7 @@ def _measure(
             if isinstance(store, TierStore) and store.config.activation_budget is not None:
                 # A plan that needs a search is made in a process of its own
                 # while the steps go on (NOTE [ Planning off the training
-                # thread ] in tierstore/plans.py): warm up until it runs.
+                # thread ] in tierstore/planning/runner.py): warm up until it runs.
                 for _ in range(MAX_STEPS_TO_A_PLAN):
                     if store.plan() is not None:
                         break

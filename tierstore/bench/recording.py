@@ -1,7 +1,7 @@
 """``tierstore bench recording``: what recompute's op recorder costs in forward.
 
 ``recompute="cheap"`` records every op of a forward in a TorchDispatchMode
-(NOTE [ Recompute ] in ``tierstore/recompute.py``). This measures that cost
+(NOTE [ Recompute ] in ``tierstore/autograd/recompute.py``). This measures that cost
 alone, side by side in one process: forwards of the tiny ``bench train`` GPT
 with the recorder pushed and without it, alternating, nothing saved to a
 store (grad mode on, graph dropped), give the cost per op; the ops of one
@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tierstore.bench.gpt import GPT, build_model
+from tierstore.autograd.recompute import Recorder, cheap
 from tierstore.bench.train import _tokens, default_settings, quick_settings
-from tierstore.recompute import Recorder, cheap
+from tierstore.models import GPT, build_model
 
 __all__ = ["RecordingCost", "add_arguments", "measure", "run"]
 

@@ -1,6 +1,6 @@
 """``tierstore bench soak``: hundreds of training steps with every saved activation on disk.
 
-The small GPT of :mod:`tierstore.bench.gpt` trains ``steps`` steps (forward
+The small GPT of :mod:`tierstore.models` trains ``steps`` steps (forward
 under :meth:`~tierstore.TierStore.offload`, backward, AdamW update) with
 ``device_budget=0, host_budget=0, min_offload_bytes=0``: every saved
 activation goes to the disk tier (``file`` or ``lmdb`` backend) and comes
@@ -71,7 +71,6 @@ from typing import Any
 import torch
 
 from tierstore.backends.lmdb import _map_size
-from tierstore.bench.gpt import GPT, add_model_arguments, build_model, saved_bytes
 from tierstore.bench.memory import AnonRss, release_free_memory
 from tierstore.bench.report import (
     NA,
@@ -85,8 +84,9 @@ from tierstore.bench.report import (
 from tierstore.bench.scratch import make_scratch_dir, remove_scratch_dir
 from tierstore.config import TierConfig, human_bytes
 from tierstore.errors import TierstoreError
-from tierstore.hooks import TierStore
+from tierstore.models import GPT, add_model_arguments, build_model, saved_bytes
 from tierstore.stats import TIERS
+from tierstore.tier_store import TierStore
 
 __all__ = [
     "BACKENDS",

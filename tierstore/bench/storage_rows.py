@@ -79,7 +79,7 @@ from tierstore.backends._aligned import AlignedBufferPool, copy, direct_io_works
 from tierstore.bench.report import Progress, median
 from tierstore.config import TierConfig
 from tierstore.errors import CorruptDataError, TierstoreError
-from tierstore.pipeline import Pipeline, Record
+from tierstore.tiers.movers import Pipeline, Record
 
 __all__ = [
     "ALIGN",
@@ -631,7 +631,7 @@ def _safetensors_load(path: Path) -> torch.Tensor:
 
 
 class _TierstoreSession(Session):
-    """``file``, ``lmdb`` (``+zstd``): the store's movers (:class:`~tierstore.pipeline.Pipeline`).
+    """``file``, ``lmdb`` (``+zstd``): the store's movers (:class:`~tierstore.tiers.movers.Pipeline`).
 
     Write: every span is submitted at once, as forward would queue them; the
     pipeline frames them (zstd with byte shuffle when on) and writes them

@@ -83,7 +83,7 @@ NOTE [ What bench train measures ]
   no ``malloc_trim``, no environment variable changed, because a user's
   process calls none of them, and ``top`` shows what that leaves resident.
   (A store with an ``activation_budget`` calls ``malloc_trim`` itself,
-  NOTE [ Handing the heap back ] in tierstore/backends/host.py: that is
+  NOTE [ Handing the heap back ] in tierstore/tiers/host_pool.py: that is
   tierstore's behaviour, which a user's process gets too.)
   Sampled every ~1 ms by a thread (``RssAnon``, read as resident minus shared
   pages of ``/proc/self/statm``: the same kernel counters as
@@ -147,7 +147,6 @@ from typing import Any
 
 import torch
 
-from tierstore.bench.gpt import add_model_arguments, build_model, saved_bytes
 from tierstore.bench.report import Progress, load_pyplot, machine_info, write_results
 from tierstore.bench.scratch import make_scratch_dir, remove_scratch_dir
 from tierstore.bench.train_measure import StrategyResult, _memory_measure
@@ -190,6 +189,7 @@ from tierstore.bench.train_sweep import (
     sweep_strategies,
 )
 from tierstore.errors import TierstoreError
+from tierstore.models import add_model_arguments, build_model, saved_bytes
 
 __all__ = [
     "CPU_STRATEGIES",

@@ -22,14 +22,14 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from tierstore.bench.gpt import GPT
 from tierstore.bench.memory import AnonRss, release_free_memory
 from tierstore.bench.report import median
 from tierstore.bench.train_settings import TrainSettings
 from tierstore.bench.train_strategies import _planning_steps, _Strategy, _Tierstore
 from tierstore.errors import TierstoreError
-from tierstore.hooks import TierStore
+from tierstore.models import GPT
 from tierstore.stats import TIERS, Stats
+from tierstore.tier_store import TierStore
 
 __all__ = ["StrategyResult"]
 

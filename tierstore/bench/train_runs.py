@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from tierstore.bench.gpt import GPT, build_model
 from tierstore.bench.report import Progress
 from tierstore.bench.train_measure import (
     StrategyResult,
@@ -54,6 +53,7 @@ from tierstore.bench.train_strategies import (
     _Tierstore,
 )
 from tierstore.errors import TierstoreError
+from tierstore.models import GPT, build_model
 
 __all__: list[str] = []
 

@@ -31,13 +31,13 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
-from tierstore.bench.gpt import GPT
 from tierstore.bench.scratch import make_scratch_dir, remove_scratch_dir
 from tierstore.bench.train_settings import TrainSettings
 from tierstore.config import TierConfig
 from tierstore.errors import TierstoreError
-from tierstore.hooks import TierStore
+from tierstore.models import GPT
 from tierstore.stats import Stats
+from tierstore.tier_store import TierStore
 
 __all__ = [
     "BUDGET",
@@ -92,7 +92,7 @@ BUDGET = "budget="
 # A budget=F row is a TierStore with activation_budget=F and the defaults
 # otherwise (disk_budget sized like the other disk rows). Its store warms up
 # on the first step, profiles the second and plans the third
-# (NOTE [ Planned steps ] in tierstore/plans.py), and may remake the plan
+# (NOTE [ Planned steps ] in tierstore/planning/runner.py), and may remake the plan
 # after the third step and after the fifth or sixth: a run with a budget row
 # runs five more warm-up steps than --warmup, so that the measured steps all
 # follow the plan that stays; every row runs them, so that all reach their
@@ -102,7 +102,7 @@ BUDGET = "budget="
 # store's own measurement of the step. Every row runs the same steps, so a
 # budget row's first plan is made where its profile ends, as the steps
 # counted here expect, not while steps go on (NOTE [ Planning off the
-# training thread ] in tierstore/plans.py): the step waits for the planning
+# training thread ] in tierstore/planning/runner.py): the step waits for the planning
 # process (PlanRunner.wait_for_plans), and the bench measures the planned
 # steps, which that choice leaves as they are. In the planning process, as a
 # user's plans are, so that the row's process runs the store a user runs,

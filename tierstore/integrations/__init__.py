@@ -27,8 +27,8 @@ from typing import Any
 
 from tierstore.config import TierConfig, load_config, with_overrides
 from tierstore.errors import ConfigError, TierstoreError
-from tierstore.hooks import TierStore
 from tierstore.stats import Stats
+from tierstore.tier_store import TierStore
 
 __all__ = ["figures"]
 

@@ -12,9 +12,9 @@ import functools
 from typing import Any
 
 from tierstore.config import TierConfig
-from tierstore.hooks import TierStore
 from tierstore.integrations import figures, resolve, run_stats
 from tierstore.stats import Stats
+from tierstore.tier_store import TierStore
 
 __all__ = ["LightningOffload"]
 

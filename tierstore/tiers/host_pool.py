@@ -1,0 +1,518 @@
+"""Host memory tierstore owns: a pool of (pinned) host buffers, reused across steps.
+
+NOTE [ Host pool ]
+
+On CUDA every saved tensor demoted off the device is copied into host memory
+that must be page-locked for the copy to run asynchronously at full PCIe
+speed. Pinning is slow: ``cudaHostAlloc`` of 1 GiB took 0.63 s on an H100
+machine, far longer than the copy it serves. So the pool pins a few large
+*chunks* on first need, ``step`` bytes at a time and at most ``capacity``
+bytes in all, and carves entries out of them with an
+:class:`~tierstore.backends._extents.ExtentAllocator` per chunk (a stack:
+backward frees newest first). Chunks are kept until :meth:`HostPool.close`,
+so from the second step on no pinning happens at all. When no chunk has room
+and the pool may not grow, the chunks with no block out are dropped and the
+pool grows again: chunks grown for one step's sizes (a first step that sent
+every save off the device in pieces of one size) must not turn away a later
+step's larger block while most of their bytes are free (seen on an H200: no
+room for a 1 GiB block with 1.2 GiB of 8.2 GiB in use). Only when that
+leaves no room either does :meth:`HostPool.take` return ``None`` (counted in
+``allocations_outside``). A copy off the device then is refused with an
+error that names ``host_budget`` (``Transfers.host_block``): memory pinned
+outside the pool would count against no budget, and the caching host
+allocator would keep it pinned for the life of the process.
+
+Pinning can fail: the locked-memory limit (``ulimit -l``) or the memory
+left may be below what the pool may pin. The pool then warns once, naming
+the settings that lower it, and goes on in pageable chunks, as with
+``pin_memory=False``: slower copies, the same bytes. :func:`_pinned` is the
+one place that pins.
+
+The pool knows nothing about streams: a block still read or written by a
+copy in flight must not be given back yet. Its owner (the movers) gives it
+back once the copy's event has completed.
+
+NOTE [ Leased buffers ]
+
+On a CPU the same pool, unpinned, holds tierstore's own large buffers: the
+destinations of disk reads, which become the tensors backward receives, and
+write staging. Were they allocated from the process heap, glibc would keep
+their pages after backward freed them (freed heap memory is reused, not
+returned), and since reads are allocated on the I/O thread, in an arena of
+its own, the heap would hold a second copy of the activations' footprint.
+:meth:`HostPool.lease` hands out a tensor over a block whose *storage* gives
+the block back when the last tensor viewing it is freed: autograd dropping
+an unpacked saved tensor returns its memory to the pool, not to the heap.
+That return can happen on any thread at any moment (a garbage collection
+inside :meth:`HostPool.take`, say), so it only queues the block; whoever
+next holds the pool's lock puts it back.
+
+Unpinned chunks are private anonymous ``mmap`` memory (``PRIVATE`` in
+``_aligned.py`` says why not shared): only pages written to are resident,
+and :meth:`HostPool.trim` hands the pages of chunks with no block out back
+to the kernel (``MADV_DONTNEED``), so memory recycled within a step does not
+stay resident between steps. They ask for transparent huge pages
+(``MADV_HUGEPAGE``, which a kernel whose THP mode is ``madvise``, a common
+default, grants only to mappings that ask): a chunk faulted back in after a
+trim then costs one fault per 2 MiB instead of per 4 KiB, and the direct
+I/O that reads into and writes from it pins a few large pages instead of
+many small ones. In ``bench train``'s model this took 7% off the step (two
+runs each way) on a machine where both cores train. Pinned chunks are never
+trimmed: pinning is what the pool exists to do once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import mmap
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tierstore.backends._aligned import PRIVATE
+from tierstore.backends._extents import ExtentAllocator
+from tierstore.config import ENV_PREFIX, human_bytes
+from tierstore.errors import StoreClosedError, TierstoreWarning
+
+__all__ = [
+    "BLOCK_ALIGN",
+    "RELEASE_MIN_BYTES",
+    "HostBlock",
+    "HostPool",
+    "page_fault_s",
+    "release_free_heap",
+]
+
+#: Blocks start on a multiple of this (a page: DMA- and O_DIRECT-friendly).
+BLOCK_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class HostBlock:
+    """A piece of one pool chunk: ``tensor`` is ``nbytes`` of uint8 host memory.
+
+    Example:
+        >>> from tierstore.tiers.host_pool import HostPool
+        >>> pool = HostPool(capacity=1 << 20, step=1 << 20, pin=False)
+        >>> block = pool.take(10)
+        >>> block.tensor.numel(), block.offset
+        (10, 0)
+        >>> pool.give(block); pool.close()
+    """
+
+    chunk: int
+    offset: int
+    length: int
+    tensor: torch.Tensor = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes asked for (``length`` is that, rounded up to :data:`BLOCK_ALIGN`)."""
+        return self.tensor.numel()
+
+
+# NOTE [ Handing the heap back ]
+#
+# On a CPU a saved activation is process memory: forward allocates it from
+# the heap, the store writes it out, and forward frees it; in backward,
+# autograd frees what it consumed and the gradients it made. glibc keeps
+# freed heap pages resident (a heap gives back only what is free at its
+# top), so RSS holds every page the step touched, and the steps before it,
+# whatever the store moved out. Measured on bench train's GPT at
+# activation_budget=0.03 (the floor: everything written out, one read in
+# use), six steps, mallinfo2 at the end of each forward: 125 MiB in use in
+# the heaps, 310-535 MiB free but resident; per-step peaks 611-715 MiB, in
+# forward, against 548-626 for disk-naive's torch.save hooks in the same
+# script.
+#
+# An activation budget bounds what the user's tools show, so a planned store
+# on a CPU hands the heap's free pages back (glibc's malloc_trim, which
+# gives back free chunks inside a heap too): at each step's first save
+# (whatever the plan does with it: PlanRunner's cpu_step_began; not under a
+# plan that hands nothing back, below), and
+# whenever the step has let go of another budget's worth of bytes since the
+# last time (saves written out or to be rebuilt, in forward; saves read
+# back, in backward), but no more often than every RELEASE_MIN_BYTES let go,
+# at a step's start as within it, as each call walks the heaps (a tiny
+# budget would call after every save; glibc maps allocations larger than
+# that apart anyway, and unmaps them when they are freed) and each page
+# handed back is faulted in again when used. Steps that let go of less than
+# that between them hold little the heap could give back: bench overhead's
+# chain (1.6 MiB rebuilt a step) took about 1,000 faults a step from a
+# hand-back at every step's start, which made its steps 4 ms slower and
+# its slowest 1.36-1.50x its median, against 1.23-1.25x without (two runs
+# each). Nothing in use is freed and no allocator setting
+# changes; a page used again is faulted back in, zeroed. Measured with the
+# same script, handing back at every step's start only: forward peaks
+# 513-592 MiB; also every 12 saves and 12 unpacks (about the budget's 61
+# MiB): 403-446 MiB, backward 320-346. Without a budget tierstore promises
+# no bound and does none of this. Where the C library has no malloc_trim
+# (musl, macOS, Windows) nothing happens.
+#
+# Each hand-back costs the step the page faults of the pages it uses
+# again: measured on bench train's small model (6 blocks, d_model 256, seq
+# 256, batch 4: 184.5 MiB saved a step) at budget=0.25, 43-66 thousand minor
+# faults a step against 12 thousand without hand-backs, and 0.05-0.06 s of
+# a 0.5 s step. A plan that moves nothing and rebuilds only natively
+# (checkpointing modules whole: NOTE [ Replayed modules ] in
+# tierstore/planning/planner.py) frees what it drops where torch.utils.checkpoint
+# does, and the heap holds no more than checkpointing's: such a plan hands
+# nothing back (Plan.hands_back; nor does one that keeps everything). Any
+# other plan does, as above: without hand-backs for its rebuilt saves or
+# at its start, a plan that kept a few saves in the last blocks and
+# rebuilt the rest op by op ran at 0.89-1.09x
+# checkpointing's step but at 1.14-1.53x its peak RSS (four runs of bench
+# train side by side, budget=0.25), where handing back held it at
+# 0.98-1.08x for a step of 1.01-1.11x. The planner prices the difference
+# (Profile.hand_back_s): page_fault_s(), measured once a process, for
+# each page the step saves, added to every plan that hands back. So on a
+# CPU, where checkpointing modules meets the budget, a plan that keeps
+# more and copies or rebuilds op by op the rest must be faster by more
+# than its faults. On that model at budget=0.25 the plan now checkpoints
+# the first five blocks and keeps the last whole.
+# A planned step also hands back the pages of the buffers the profiled
+# steps used (HostPool.trim) as it begins, whatever its plan: one that
+# stores nothing never reaches the tier manager's step start, and kept the
+# 40 MiB of write staging the profile had used resident through every step.
+
+#: The fewest bytes a planned step lets go of between two heap releases
+#: (NOTE [ Handing the heap back ]): glibc's largest heap allocation.
+RELEASE_MIN_BYTES = 32 << 20
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):  # no such symbol; no CDLL(None) (Windows)
+        return None
+
+
+def release_free_heap() -> bool:
+    """Hand the process heap's free pages back to the system; whether the C library could.
+
+    NOTE [ Handing the heap back ]. Frees nothing in use and changes no
+    allocator setting; ``False`` where the C library is not glibc.
+
+    Example:
+        >>> from tierstore.tiers.host_pool import release_free_heap
+        >>> release_free_heap() in (True, False)
+        True
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+#: The memory :func:`page_fault_s` faults in, each time it measures.
+_FAULT_PROBE_BYTES = 2 << 20
+
+
+@functools.cache
+def page_fault_s() -> float:
+    """Seconds a page handed back costs when it is used again; 0.0 where none is handed back.
+
+    NOTE [ Handing the heap back ]: the fault and the zeroing of a page of
+    private anonymous memory in small pages, as the heap has, above writing
+    it while resident. The least of three tries, measured once a process
+    (a few milliseconds).
+
+    Example:
+        >>> from tierstore.tiers.host_pool import page_fault_s
+        >>> page_fault_s() >= 0.0
+        True
+    """
+    if _malloc_trim() is None:
+        return 0.0
+    region = mmap.mmap(-1, _FAULT_PROBE_BYTES, flags=PRIVATE)
+    try:
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):  # the heap's pages are small ones
+            region.madvise(mmap.MADV_NOHUGEPAGE)
+        view = (ctypes.c_char * _FAULT_PROBE_BYTES).from_buffer(region)
+        cold = warm = float("inf")
+        for _ in range(3):
+            region.madvise(mmap.MADV_DONTNEED)
+            start = time.perf_counter()
+            ctypes.memset(view, 1, _FAULT_PROBE_BYTES)
+            middle = time.perf_counter()
+            ctypes.memset(view, 2, _FAULT_PROBE_BYTES)
+            cold = min(cold, middle - start)
+            warm = min(warm, time.perf_counter() - middle)
+        del view
+    finally:
+        region.close()
+    return max(cold - warm, 0.0) / (_FAULT_PROBE_BYTES // mmap.PAGESIZE)
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-locked host memory: the one place tierstore pins (NOTE [ Host pool ])."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _pin_failed(nbytes: int, capacity: int, exc: RuntimeError) -> str:
+    """The warning of a pool whose pinning failed (NOTE [ Host pool ])."""
+    why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return (
+        f"tierstore: pinning {human_bytes(nbytes)} of host memory for the host pool failed "
+        f"({why}); the pool goes on in pageable memory, where copies to and from the GPU are "
+        f"slower. The locked-memory limit (ulimit -l) or the free memory is below the "
+        f"{human_bytes(capacity)} the pool may pin: lower host_budget ({ENV_PREFIX}HOST_BUDGET), "
+        f"or set pin_memory=False ({ENV_PREFIX}PIN_MEMORY) to pin nothing"
+    )
+
+
+class _Chunk:
+    __slots__ = ("alloc", "map", "memory", "used")
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.map: mmap.mmap | None = None
+        if pin:
+            self.memory = _pinned(nbytes)
+        else:  # NOTE [ Leased buffers ]: pages can be handed back
+            self.map = mmap.mmap(-1, nbytes, flags=PRIVATE)
+            huge = getattr(mmap, "MADV_HUGEPAGE", None)
+            if huge is not None:
+                with contextlib.suppress(OSError):  # a kernel without THP
+                    self.map.madvise(huge)
+            self.memory = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.alloc = ExtentAllocator(nbytes)
+        self.used = 0
+
+    def trim(self) -> bool:
+        """Hand the pages back if no block is out; whether it did."""
+        if self.map is None or self.used:
+            return False
+        self.map.madvise(mmap.MADV_DONTNEED)
+        return True
+
+
+class _Lease:
+    """Gives its block back when the storage holding it is freed (NOTE [ Leased buffers ])."""
+
+    __slots__ = ("block", "pool")
+
+    def __init__(self, pool: HostPool, block: HostBlock) -> None:
+        self.pool = pool
+        self.block = block
+
+    def __del__(self) -> None:
+        self.pool._returned(self.block)
+
+
+class HostPool:
+    """Host buffers carved from a few large allocations (NOTE [ Host pool ]).
+
+    Thread-safe. Allocates nothing until the first :meth:`take`; :meth:`close`
+    drops every chunk and is idempotent.
+
+    Args:
+        capacity: the most bytes the pool may hold in chunks
+            (``TierConfig.host_budget``).
+        step: bytes per chunk (``TierConfig.host_pool_step``); a block
+            larger than that gets a chunk of its own size.
+        pin: page-lock the chunks (``TierConfig.pin_memory`` on CUDA).
+
+    Warns:
+        TierstoreWarning: pinning a chunk failed; the pool goes on unpinned
+            (NOTE [ Host pool ]). Once per pool.
+
+    Example:
+        >>> import torch
+        >>> from tierstore.tiers.host_pool import HostPool
+        >>> pool = HostPool(capacity=1 << 20, step=1 << 19, pin=False)
+        >>> a = pool.take(1000)
+        >>> _ = a.tensor.copy_(torch.arange(1000) % 256)
+        >>> pool.reserved_bytes, pool.used_bytes
+        (524288, 4096)
+        >>> pool.give(a); pool.used_bytes
+        0
+        >>> pool.close(); pool.reserved_bytes
+        0
+    """
+
+    def __init__(self, capacity: int, step: int, *, pin: bool) -> None:
+        self._capacity = -(-capacity // BLOCK_ALIGN) * BLOCK_ALIGN
+        self._step = max(BLOCK_ALIGN, -(-step // BLOCK_ALIGN) * BLOCK_ALIGN)
+        self._pin = pin
+        self._chunks: list[_Chunk | None] = []  # None: a dropped chunk's place
+        self._used = 0
+        self._outside = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._returns: deque[HostBlock] = deque()  # leases freed, not yet put back
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the chunks are page-locked (``False`` once pinning has failed)."""
+        return self._pin
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The most bytes the pool may hold in chunks (rounded up to :data:`BLOCK_ALIGN`)."""
+        return self._capacity
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes allocated in chunks (held until :meth:`close`)."""
+        return sum(c.memory.numel() for c in self._chunks if c is not None)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes handed out in blocks now (each rounded up to :data:`BLOCK_ALIGN`)."""
+        with self._lock:
+            self._put_back()
+            return self._used
+
+    @property
+    def allocations_outside(self) -> int:
+        """How often :meth:`take` found no room (NOTE [ Host pool ] says what the caller does)."""
+        return self._outside
+
+    def take(self, nbytes: int) -> HostBlock | None:
+        """A block of ``nbytes``, or ``None`` when the pool is full (the caller allocates).
+
+        Raises:
+            StoreClosedError: the pool was closed.
+        """
+        length = max(BLOCK_ALIGN, -(-nbytes // BLOCK_ALIGN) * BLOCK_ALIGN)
+        with self._lock:
+            if self._closed:
+                raise StoreClosedError("tierstore: the host pool is closed")
+            self._put_back()
+            for i, chunk in enumerate(self._chunks):
+                offset = chunk.alloc.allocate(length) if chunk is not None else None
+                if offset is not None:
+                    return self._block(i, offset, length, nbytes)
+            room = self._capacity - self.reserved_bytes
+            if length > room:  # NOTE [ Host pool ]: drop the idle chunks, then grow
+                self._chunks = [c if c is not None and c.used else None for c in self._chunks]
+                room = self._capacity - self.reserved_bytes
+            if length > room:
+                self._outside += 1
+                return None
+            size = max(min(self._step, room), length)
+            # Pinning takes long (NOTE [ Host pool ]), but only while the pool grows.
+            chunk = self._chunk(size)
+            if None in self._chunks:
+                i = self._chunks.index(None)
+                self._chunks[i] = chunk
+            else:
+                i = len(self._chunks)
+                self._chunks.append(chunk)
+            offset = chunk.alloc.allocate(length)
+            assert offset == 0
+            return self._block(i, offset, length, nbytes)
+
+    def _chunk(self, size: int) -> _Chunk:
+        if self._pin:
+            try:
+                return _Chunk(size, pin=True)
+            except RuntimeError as exc:  # NOTE [ Host pool ]: pageable from now on
+                self._pin = False
+                warnings.warn(
+                    TierstoreWarning(_pin_failed(size, self._capacity, exc)), stacklevel=4
+                )
+        return _Chunk(size, pin=False)
+
+    def _block(self, i: int, offset: int, length: int, nbytes: int) -> HostBlock:
+        chunk = self._chunks[i]
+        assert chunk is not None
+        self._used += length
+        chunk.used += length
+        return HostBlock(i, offset, length, chunk.memory[offset : offset + nbytes])
+
+    def lease(self, nbytes: int) -> torch.Tensor | None:
+        """``nbytes`` of uint8 whose block comes back when the tensor's storage is freed.
+
+        Views of the tensor keep the block out, as they keep its storage;
+        ``None`` when the pool is full (NOTE [ Leased buffers ]).
+
+        Raises:
+            StoreClosedError: the pool was closed.
+
+        Example:
+            >>> import gc
+            >>> from tierstore.tiers.host_pool import HostPool
+            >>> pool = HostPool(capacity=1 << 20, step=1 << 20, pin=False)
+            >>> t = pool.lease(5000)
+            >>> t.numel(), pool.used_bytes
+            (5000, 8192)
+            >>> del t; _ = gc.collect(); pool.used_bytes
+            0
+            >>> pool.close()
+        """
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        block = self.take(nbytes)
+        if block is None:
+            return None
+        window = (ctypes.c_char * nbytes).from_address(block.tensor.data_ptr())
+        # frombuffer keeps `window` until the storage dies; `window` keeps the
+        # lease, whose block keeps the chunk's memory valid even after close().
+        window._lease = _Lease(self, block)  # type: ignore[attr-defined]
+        return torch.frombuffer(window, dtype=torch.uint8)
+
+    def _returned(self, block: HostBlock) -> None:
+        # Any thread, any moment (NOTE [ Leased buffers ]): queue, then put
+        # back only if the lock is free; its holder drains the queue otherwise.
+        self._returns.append(block)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._put_back()
+            finally:
+                self._lock.release()
+
+    def _put_back(self) -> None:
+        # Caller holds the lock.
+        while self._returns:
+            self._free(self._returns.popleft())
+
+    def _free(self, block: HostBlock) -> None:
+        if self._closed:
+            return
+        chunk = self._chunks[block.chunk]
+        assert chunk is not None  # a chunk with a block out is never dropped
+        chunk.alloc.free(block.offset, block.length)
+        chunk.used -= block.length
+        self._used -= block.length
+
+    def give(self, block: HostBlock) -> None:
+        """Return ``block``; no copy may still be using its memory. No-op once closed."""
+        with self._lock:
+            self._free(block)
+
+    def trim(self) -> int:
+        """Hand back the pages of unpinned chunks with no block out; returns their bytes.
+
+        The chunks stay mapped: using them again costs page faults, not a
+        system call (NOTE [ Leased buffers ]).
+
+        Example:
+            >>> from tierstore.tiers.host_pool import HostPool
+            >>> pool = HostPool(capacity=1 << 20, step=1 << 20, pin=False)
+            >>> pool.give(pool.take(100)); pool.trim()
+            1048576
+            >>> pool.close()
+        """
+        with self._lock:
+            if self._closed:
+                return 0
+            self._put_back()
+            return sum(c.memory.numel() for c in self._chunks if c is not None and c.trim())
+
+    def close(self) -> None:
+        """Drop every chunk (blocks handed out keep their memory alive). Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._chunks.clear()
+            self._returns.clear()
+            self._used = 0
