@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tierstore
-from tierstore import tier_store as hooks
+from tierstore import offloading
 from tierstore.planning.runner import PlanRunner
 from tierstore.tiers.movers import Pipeline
 
@@ -55,7 +55,7 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]
     # where a test asks for the default.
     monkeypatch.setattr(PlanRunner, "first_plan_at_once", True)
     yield
-    hooks._close_all()
+    offloading._close_all()
 
 
 @pytest.fixture

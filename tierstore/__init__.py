@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+from tierstore.autograd.keep import keep, keep_module
 from tierstore.config import TierConfig, load_config
 from tierstore.errors import (
     ConfigError,
@@ -25,8 +26,9 @@ from tierstore.errors import (
     TierstoreError,
     TierstoreWarning,
 )
+from tierstore.offloading import offload, offload_module
 from tierstore.stats import Stats, TierStats
-from tierstore.tier_store import TierStore, keep, keep_module, offload, offload_module
+from tierstore.tier_store import TierStore
 
 __version__ = "0.1.0"
 

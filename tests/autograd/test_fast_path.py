@@ -22,7 +22,8 @@ import torch
 from backend_helpers import run_in_threads
 
 import tierstore
-from tierstore.tier_store import _Kept
+from tierstore.autograd.filters import Kept
+from tierstore.autograd.state import TOP_HOOKS
 from tierstore.tiers.handle import Handle
 
 from ..conftest import assert_empty, grads_of_steps, same_grads
@@ -74,7 +75,7 @@ _grads = functools.partial(grads_of_steps, batch=_batch)
 
 def _stayed(packed: object) -> torch.Tensor | None:
     """The alias a save that stayed holds (NOTE [ Saves that stay ]); None for any other."""
-    if type(packed) is _Kept:
+    if type(packed) is Kept:
         return packed.tensor
     if type(packed) is tuple:  # outside a recorder, no plan's peak
         return packed[0]
@@ -332,7 +333,7 @@ def _saves_per_step(model: torch.nn.Module) -> int:
 
 
 needs_stack = pytest.mark.skipif(
-    tierstore.tier_store._TOP_HOOKS is None, reason="this torch cannot read the hook stack"
+    TOP_HOOKS is None, reason="this torch cannot read the hook stack"
 )
 
 

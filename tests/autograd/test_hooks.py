@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import tierstore
+from tierstore import offloading
 
 Compare = Callable[..., tierstore.Stats]
 
@@ -590,7 +591,7 @@ def test_offload_keeps_at_most_four_stores(spill_root: Any) -> None:
     NOTE [ Stores behind offload() ].
     """
     hooks = tierstore.tier_store
-    hooks._close_all()
+    offloading._close_all()
     torch.manual_seed(0)
     w = torch.randn(64, 64, requires_grad=True)
     x = torch.randn(32, 64)
@@ -615,7 +616,7 @@ def test_offload_keeps_at_most_four_stores(spill_root: Any) -> None:
     store, loss = _registry_step(3, w, x, spill_root)
     assert store is seen[-3]
     del loss
-    hooks._close_all()
+    offloading._close_all()
     assert all(s.closed for s in seen)
 
 
@@ -625,7 +626,7 @@ def test_a_retired_store_stays_open_for_the_backward_it_owes(spill_root: Any) ->
     NOTE [ Stores behind offload() ].
     """
     hooks = tierstore.tier_store
-    hooks._close_all()
+    offloading._close_all()
     torch.manual_seed(0)
     w = torch.randn(64, 64, requires_grad=True)
     x = torch.randn(32, 64)
@@ -637,7 +638,7 @@ def test_a_retired_store_stays_open_for_the_backward_it_owes(spill_root: Any) ->
         (got,) = torch.autograd.grad(loss, [w])
         assert torch.equal(got, want)
         others.append(store)
-    assert owed not in hooks._stores.values() and not owed.closed
+    assert owed not in offloading._stores.values() and not owed.closed
     assert others[0].closed  # retired too, with nothing left: closed at once
     (got,) = torch.autograd.grad(pending, [w])
     assert torch.equal(got, want)
@@ -646,7 +647,7 @@ def test_a_retired_store_stays_open_for_the_backward_it_owes(spill_root: Any) ->
     store, loss = _registry_step(5, w, x, spill_root)
     assert store is others[-1] and owed.closed
     del loss
-    hooks._close_all()
+    offloading._close_all()
 
 
 def test_inplace_on_the_base_of_a_dead_view_raises(any_store: tierstore.TierStore) -> None:

@@ -20,13 +20,14 @@ import torch
 from backend_helpers import run_in_threads
 
 import tierstore
-from tierstore.tier_store import _TOP_HOOKS, GREW, MEASURED_EVERY
+from tierstore.autograd.quiet import GREW, MEASURED_EVERY
+from tierstore.autograd.state import TOP_HOOKS, local
 from tierstore.tiers.manager import QUIET_ROOM
 
 from ..conftest import assert_empty, grads_of_steps, in_block, same_grads
 
 pytestmark = [
-    pytest.mark.skipif(_TOP_HOOKS is None, reason="this torch cannot read autograd's hook stack"),
+    pytest.mark.skipif(TOP_HOOKS is None, reason="this torch cannot read autograd's hook stack"),
     pytest.mark.filterwarnings("ignore::tierstore.TierstoreWarning"),  # nothing moved: intended
 ]
 
@@ -64,7 +65,7 @@ class _Watch:
             return original(t)
 
         store._pack = pack  # type: ignore[method-assign]
-        model[-1].register_forward_pre_hook(lambda m, a: self.tops.append(_TOP_HOOKS(False)))  # type: ignore[misc]
+        model[-1].register_forward_pre_hook(lambda m, a: self.tops.append(TOP_HOOKS(False)))  # type: ignore[misc]
 
 
 _steps = functools.partial(grads_of_steps, batch=_batch)
@@ -82,7 +83,7 @@ def test_a_repeated_step_runs_without_hooks_after_its_first_save(spill_root: Pat
     assert watch.packs == 6
     assert watch.tops[0] is not None and watch.tops[1:] == [None] * 4
     assert store.stats().packed == 5 * 6
-    assert _TOP_HOOKS(False) is None  # type: ignore[misc]
+    assert TOP_HOOKS(False) is None  # type: ignore[misc]
     assert_empty(store)
     store.close()
 
@@ -105,7 +106,7 @@ def test_an_inplace_change_in_a_quiet_block_raises_as_eager_does(spill_root: Pat
     for _ in range(3):
         in_block(store, lambda: x.sin().exp()).sum().backward()
     # exp saves its output, autograd's own once the block is quiet.
-    y, top = in_block(store, lambda: (x.sin().exp(), _TOP_HOOKS(False)))  # type: ignore[misc]
+    y, top = in_block(store, lambda: (x.sin().exp(), TOP_HOOKS(False)))  # type: ignore[misc]
     assert top is None
     with torch.no_grad():
         y.mul_(2)
@@ -238,9 +239,9 @@ def test_keep_inside_a_quiet_block_puts_the_hooks_back_for_its_saves(spill_root:
     def forward() -> torch.Tensor:
         h = model[:2](_batch(3))
         with tierstore.keep(tier="disk"):
-            seen["inside"] = _TOP_HOOKS(False)  # type: ignore[misc]
+            seen["inside"] = TOP_HOOKS(False)  # type: ignore[misc]
             out = model[2:](h)
-        seen["after"] = _TOP_HOOKS(False)  # type: ignore[misc]
+        seen["after"] = TOP_HOOKS(False)  # type: ignore[misc]
         seen["on_disk"] = store.stats().tiers["disk"].entries
         return out
 
@@ -248,7 +249,7 @@ def test_keep_inside_a_quiet_block_puts_the_hooks_back_for_its_saves(spill_root:
     assert seen["inside"] is not None and seen["after"] is None
     assert seen["on_disk"] == 2  # dropout's mask and the last Linear's input; its weight stays
     out.square().mean().backward()
-    assert _TOP_HOOKS(False) is None  # type: ignore[misc]
+    assert TOP_HOOKS(False) is None  # type: ignore[misc]
     assert store._next_quiet is None  # a block that ran keep() is not repeated
     assert_empty(store)
     store.close()
@@ -281,7 +282,7 @@ def test_keep_under_a_checkpoint_in_a_quiet_block_leaves_it_to_the_checkpoint(
         eager.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
         model.zero_grad(set_to_none=True)
     _same(ours, eager)
-    assert _TOP_HOOKS(False) is None  # type: ignore[misc]
+    assert TOP_HOOKS(False) is None  # type: ignore[misc]
     store.close()
 
 
@@ -301,7 +302,7 @@ def test_keep_inside_another_stores_block_in_a_quiet_block_is_that_stores(
     assert inner.stats().tiers["disk"].entries == 2  # the inner block wins, as ever
     assert outer.stats().tiers["disk"].entries == 0
     out.square().mean().backward()
-    assert _TOP_HOOKS(False) is None  # type: ignore[misc]
+    assert TOP_HOOKS(False) is None  # type: ignore[misc]
     outer.close()
     inner.close()
 
@@ -317,14 +318,14 @@ def test_a_keep_region_that_outlives_a_quiet_block_leaves_the_stack_balanced(
     def forward() -> torch.Tensor:
         out = model(_batch(3))
         region.__enter__()  # left open past the block: a misuse, not a corruption
-        assert _TOP_HOOKS(False) is not None  # type: ignore[misc]
+        assert TOP_HOOKS(False) is not None  # type: ignore[misc]
         return out
 
     in_block(store, forward).sum().backward()
-    assert _TOP_HOOKS(False) is None  # type: ignore[misc]  the block's pop took the region's
+    assert TOP_HOOKS(False) is None  # type: ignore[misc]  the block's pop took the region's
     region.__exit__(None, None, None)
-    assert _TOP_HOOKS(False) is None  # type: ignore[misc]
-    assert tierstore.tier_store._local.quiet is None and tierstore.tier_store._local.tier is None
+    assert TOP_HOOKS(False) is None  # type: ignore[misc]
+    assert local.quiet is None and local.tier is None
     x = torch.randn(8, requires_grad=True)
     with tierstore.keep(tier="disk"):  # outside every block: changes nothing
         x.exp().sum().backward()
@@ -344,7 +345,7 @@ def test_keep_where_hooks_are_disabled_leaves_no_tier_behind(spill_root: Path) -
         return out
 
     in_block(store, forward).sum().backward()
-    assert tierstore.tier_store._local.tier is None
+    assert local.tier is None
     store.close()
 
 
@@ -355,7 +356,7 @@ def test_a_quiet_block_that_raises_leaves_the_hook_stack_as_it_was(spill_root: P
     with pytest.raises(ValueError, match="inside"), store.offload():
         model(_batch(3))
         raise ValueError("inside")
-    assert _TOP_HOOKS(False) is None  # type: ignore[misc]
+    assert TOP_HOOKS(False) is None  # type: ignore[misc]
     _same(_steps(model, store, 2, first=4), _steps(_model(), None, 6)[4:])
     store.close()
 

@@ -1041,7 +1041,7 @@ def test_a_norm_packed_by_another_hook_is_not_rebuilt_from_the_graph() -> None:
     # A block of save_on_cpu nested inside the store's: the norm's node holds
     # that hook's (device, tensor) pairs, which are not the pack hook's kept
     # forms; graph_op and graph_recipe say no, rather than fail.
-    from tierstore.tier_store import _held
+    from tierstore.autograd.filters import held
 
     norm = torch.nn.LayerNorm(32)
     x = torch.randn(4, 8, 32, requires_grad=True)
@@ -1050,8 +1050,8 @@ def test_a_norm_packed_by_another_hook_is_not_rebuilt_from_the_graph() -> None:
     with torch.autograd.graph.save_on_cpu():
         h = norm(x)
     t = h.view(-1, 32)
-    assert recompute.graph_op(t, _held) is None
-    assert recompute.graph_recipe(t, t.numel() * 4, _held) is None
+    assert recompute.graph_op(t, held) is None
+    assert recompute.graph_recipe(t, t.numel() * 4, held) is None
 
 
 @pytest.mark.parametrize("view", [False, True])

@@ -771,7 +771,7 @@ def test_h200_offloads_only_what_the_link_hides(memory: float) -> None:
 #: A real H200 run of the step above: each budget row holds its plan's whole
 #: profile and choices, and the steps it ran (benchmarks/gpu_step.py).
 H200_RUN = (
-    Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-27-h200-gpu-step-a9608e4.json"
+    Path(__file__).resolve().parents[2] / "benchmarks/results/2026-11-27-h200-gpu-step-a9608e4.json"
 )
 
 

@@ -29,7 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import tierstore
-from tierstore import tier_store as hooks
+from tierstore import tier_store
+from tierstore.autograd.state import local
 from tierstore.autograd.recompute import Recipe, Recorder
 from tierstore.backends import FileBackend
 from tierstore.bench.overhead import _chain as _overhead_chain
@@ -49,7 +50,7 @@ from tierstore.planning.planner import (
     simulate,
 )
 from tierstore.planning.runner import PLANS_KEPT, REFIT_STEPS, PlanRunner
-from tierstore.tier_store import _Kept
+from tierstore.autograd.filters import Kept
 from tierstore.tiers import host_pool as host
 from tierstore.tiers.manager import TierManager
 from tierstore.tiers.movers import LinkClock
@@ -186,7 +187,7 @@ def test_saves_do_what_the_plan_says(budget_store: Callable[..., tierstore.TierS
     def spy(t: torch.Tensor) -> Any:
         out = original(t)
         # Kept by the plan: counted in its peak until backward's first use.
-        packed.append(out if type(out) is not _Kept or not out.planned else ("kept", out))
+        packed.append(out if type(out) is not Kept or not out.planned else ("kept", out))
         return out
 
     store._pack = spy  # type: ignore[method-assign]
@@ -1140,7 +1141,7 @@ def _spy_packs(store: tierstore.TierStore) -> list[Any]:
 
     def spy(t: torch.Tensor) -> Any:
         out = original(t)
-        if not (type(out) is tuple or (type(out) is _Kept and not out.planned)):
+        if not (type(out) is tuple or (type(out) is Kept and not out.planned)):
             seen.append(out)
         return out
 
@@ -1441,7 +1442,7 @@ def test_the_table_has_a_row_per_block_under_offload_module(
         # A block that rebuilds records inside it; offload_module's forward
         # hook closes the store's block before the recording's own hook
         # ends it: nothing may be left recording.
-        assert hooks._local.recorder is None
+        assert local.recorder is None
         assert torch._C._len_torch_dispatch_stack() == 0
     for h in handles:
         h.remove()
@@ -1480,7 +1481,7 @@ def test_the_first_plan_is_made_off_the_thread_while_steps_go_on(
     grads, recorded = [], []
     for step in range(5):
         with store.offload():
-            recorded.append(hooks._local.recorder is not None)
+            recorded.append(local.recorder is not None)
             grads.append(_step(model, step))
         if step == 3:
             assert searched.is_set() and store.plan() is None  # steps 2-3 ran on meanwhile
@@ -1875,7 +1876,7 @@ def test_a_rebuild_from_the_graph_reads_a_stored_input_once_and_records_nothing(
     assert planner.from_graph(plan.profile, plan.choices) == set(graph)
     assert recorded_rebuilds(plan.profile, plan.choices) == 0
     assert not store._regions.records and calls == []  # nothing recorded
-    moved = [p for p in packed if type(p) is not _Kept]  # kept by the plan: the rest
+    moved = [p for p in packed if type(p) is not Kept]  # kept by the plan: the rest
     assert [type(p).__name__ for p in moved] == [
         {"rebuild": "Recipe", "offload": "Handle"}[c] for c in plan.choices if c != "keep"
     ]
@@ -1956,7 +1957,7 @@ def test_a_checkpointed_block_under_offload_module_nests_inside_the_blocks_hooks
     before = store.stats()
     for step in range(6):
         assert all(torch.equal(a, b) for a, b in zip(grads(step), eager[step], strict=True))
-        assert hooks._local.recorder is None
+        assert local.recorder is None
         assert torch._C._len_torch_dispatch_stack() == 0
         assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     for h in handles:
@@ -2114,6 +2115,6 @@ def test_a_profiled_move_tells_the_runner_its_host_time_less_the_stores_waits() 
         runner.waited += 0.03
         return x + 1
 
-    assert hooks._moving(runner, True, put, 1) == 2
+    assert tier_store._moving(runner, True, put, 1) == 2
     assert len(told) == 1 and told[0][1] is True
     assert 0.02 <= told[0][0] < 0.02 + 0.03  # the sleep's 50 ms, less the 30 waited
