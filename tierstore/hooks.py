@@ -1,7 +1,7 @@
-"""Deprecated: the public store, offload() and keep() moved to tierstore.tier_store (import them from tierstore).
+"""Deprecated: the public store, offload() and keep() are imported from tierstore.
 
 ``tierstore.hooks`` keeps working for a release: each name read from it
-warns with a :class:`DeprecationWarning` and comes from ``tierstore.tier_store``.
+warns with a :class:`DeprecationWarning` and comes from ``tierstore``.
 
 Example:
     >>> import warnings
@@ -15,4 +15,4 @@ Example:
 
 from tierstore._moved import moved_to
 
-__getattr__ = moved_to(__name__, "tierstore.tier_store")
+__getattr__ = moved_to(__name__, "tierstore")
