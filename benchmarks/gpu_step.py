@@ -16,6 +16,10 @@ Rows: ``none``; ``kept`` (``device_budget="64GiB"``: every save stays, only
 the hooks run); ``budget=F`` (``activation_budget=F``); ``device=SIZE``
 (``device_budget=SIZE``, no plan); ``checkpoint-N``
 (``torch.utils.checkpoint`` on the first N blocks).
+
+``--device cpu`` runs the same code on the CPU in float32, with memory
+figures of 0: a dry run of the script at a tiny shape (``device-run.sh``'s
+``DRY_RUN=1``), not a measurement.
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        mlp: torch.Tensor = self.out(F.gelu(self.fc(self.ln2(x))))
+        return x + mlp
 
 
 class GPT(nn.Module):
@@ -86,10 +91,42 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), tokens.view(-1))
 
 
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter's gradient; a parameter backward did not reach is an error."""
+    grads = [p.grad for p in model.parameters()]
+    if any(g is None for g in grads):
+        raise RuntimeError("a parameter got no gradient")
+    return [g for g in grads if g is not None]
+
+
+def _cuda(args: argparse.Namespace) -> bool:
+    return bool(args.device == "cuda")
+
+
+def _sync(args: argparse.Namespace) -> None:
+    if _cuda(args):
+        torch.cuda.synchronize()
+
+
+def _allocated(args: argparse.Namespace, peak: bool = False) -> int:
+    """CUDA's allocated bytes (its peak since the last reset); 0 on the CPU."""
+    if not _cuda(args):
+        return 0
+    return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
+
+
+def _reserved(args: argparse.Namespace, peak: bool = False) -> int:
+    """CUDA's reserved bytes (its peak since the last reset); 0 on the CPU."""
+    if not _cuda(args):
+        return 0
+    return torch.cuda.max_memory_reserved() if peak else torch.cuda.memory_reserved()
+
+
 def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if _cuda(args) else torch.float32
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.d, args.heads, args.layers, args.seq).to(dev, torch.bfloat16)
+    model = GPT(args.vocab, args.d, args.heads, args.layers, args.seq).to(dev, dtype)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev)
     store = None
     if name == "kept":
@@ -114,23 +151,24 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    torch.cuda.synchronize()
-    base_alloc = torch.cuda.memory_allocated()
-    base_reserved = torch.cuda.memory_reserved()
+    _sync(args)
+    base_alloc = _allocated(args)
+    base_reserved = _reserved(args)
     steps: list[float] = []
     alloc: list[int] = []
     reserved: list[int] = []
     plans: list[list[Any] | None] = []
 
     def measured_step() -> None:
-        torch.cuda.reset_peak_memory_stats()
+        if _cuda(args):
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         with torch.profiler.record_function("gpu_step"):  # benchmarks/gpu_trace.py's step
             step()
-        torch.cuda.synchronize()
+        _sync(args)
         steps.append(time.perf_counter() - start)
-        alloc.append(torch.cuda.max_memory_allocated() - base_alloc)
-        reserved.append(torch.cuda.max_memory_reserved() - base_reserved)
+        alloc.append(_allocated(args, peak=True) - base_alloc)
+        reserved.append(_reserved(args, peak=True) - base_reserved)
         plan = store.plan() if store is not None else None
         # One entry per step: [steps run on the plan, predicted s, last measured s,
         # bytes offloaded, bytes rebuilt, saves rebuilt op by op] (a step's
@@ -247,12 +285,12 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
         try:  # a failure here keeps the row's timed steps
             with sdpa_kernel(SDPBackend.MATH):
                 model(tokens).backward()
-                ref = [p.grad.clone() for p in model.parameters()]
+                ref = [g.clone() for g in _grads(model)]
                 model.zero_grad(set_to_none=True)
                 with store.offload():
                     loss = model(tokens)
                 loss.backward()
-                got = [p.grad for p in model.parameters()]
+                got = _grads(model)
             out["grads_bitwise_equal"] = all(
                 torch.equal(a, b) for a, b in zip(ref, got, strict=True)
             )
@@ -275,6 +313,7 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", default="", metavar="ROWS", help="profile 2 steps of each ROW")
     p.add_argument(
@@ -316,9 +355,9 @@ def main() -> int:
         rel = f"{r['median_s'] / base['median_s']:.3f}x" if base else ""
         mem = (
             f"alloc {r['peak_allocated_bytes'] / gib:.2f} GiB "
-            f"({r['peak_allocated_bytes'] / base['peak_allocated_bytes']:.2f}x), reserved "
+            f"({_over(r['peak_allocated_bytes'], base['peak_allocated_bytes'])}), reserved "
             f"{r['peak_reserved_bytes'] / gib:.2f} GiB "
-            f"({r['peak_reserved_bytes'] / base['peak_reserved_bytes']:.2f}x)"
+            f"({_over(r['peak_reserved_bytes'], base['peak_reserved_bytes'])})"
             if base
             else ""
         )
@@ -383,23 +422,30 @@ def _under_last_plans(rows: list[dict[str, Any]], base: dict[str, Any]) -> list[
         out.append(
             f"{r['row']:<12} {len(steps):2d} steps: median {med * 1e3:6.1f} ms "
             f"{med / base['median_s']:.3f}x  max/med {max(steps) / med:.2f}  alloc "
-            f"{max(alloc) / gib:5.2f} GiB ({max(alloc) / base['peak_allocated_bytes']:.2f}x)  "
+            f"{max(alloc) / gib:5.2f} GiB ({_over(max(alloc), base['peak_allocated_bytes'])})  "
             f"reserved {max(reserved) / gib:5.2f} GiB "
-            f"({max(reserved) / base['peak_reserved_bytes']:.2f}x){chosen}"
+            f"({_over(max(reserved), base['peak_reserved_bytes'])}){chosen}"
         )
     return out
+
+
+def _over(value: float, base: float) -> str:
+    """``value`` over ``base`` as a ratio; ``-`` where the base is 0 (memory on the CPU)."""
+    return f"{value / base:.2f}x" if base else "-"
 
 
 def _profile(name: str, args: argparse.Namespace, measured_step: Any, store: Any) -> None:
     """Two steps of ``name`` under torch.profiler: its tables on stderr, its trace."""
     plan = store.plan() if store is not None else None
     before = store.stats() if store is not None else None
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if _cuda(args) else [])]
+    with torch_profile(activities=activities) as prof:
         for _ in range(2):
             measured_step()
     averages = prof.key_averages()
     print(averages.table(sort_by="self_cpu_time_total", row_limit=30), file=sys.stderr)
-    print(averages.table(sort_by="self_cuda_time_total", row_limit=20), file=sys.stderr)
+    if _cuda(args):
+        print(averages.table(sort_by="self_cuda_time_total", row_limit=20), file=sys.stderr)
     if plan is not None:
         print(f"# {name}: the plan profiled\n{plan}", file=sys.stderr)
     if before is not None:
@@ -433,7 +479,7 @@ def _dump(path: str, rows: list[dict[str, Any]]) -> None:
             {
                 "argv": sys.argv,
                 "torch": torch.__version__,
-                "device": torch.cuda.get_device_name(),
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 "rows": rows,
             },
             f,

@@ -45,10 +45,11 @@ def build(checkpointing: bool) -> Any:
         num_attention_heads=8,
         num_key_value_heads=4,
         max_position_embeddings=512,
-        attn_implementation="sdpa",
+        # PretrainedConfig takes it at run time; LlamaConfig's signature does not list it.
+        attn_implementation="sdpa",  # type: ignore[call-arg]
         use_cache=False,
     )
-    model = transformers.LlamaForCausalLM(config)
+    model: Any = transformers.LlamaForCausalLM(config)
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
