@@ -21,18 +21,17 @@ NOTE [ Huge pages for I/O buffers ]
 
 An ``O_DIRECT`` request hands the device the buffer's physical pages, one
 scatter-gather segment per physically contiguous run. Which runs a buffer
-gets depends on how its pages were first touched: on the development VM
-(virtio block device), 4 MiB reads into buffers that a ``memmove`` had
-faulted in page by page (as the ``file`` backend's first writes do) ran at
-1.0-1.2 GB/s, and the same reads into buffers of the same size that the
-kernel had faulted in for an earlier read ran at 2.0-2.5 GB/s: the same
-syscalls, offsets and descriptor, only the memory differed. So a buffer of
-:data:`_HUGE_MIN` bytes or more asks for transparent huge pages
-(``madvise(MADV_HUGEPAGE)``, honoured where the system's THP setting is
-``madvise`` or ``always``) before it is touched: 2 MiB physically contiguous
-pages, whichever way they are first touched (1.9-2.1 GB/s measured after a
-``memmove``). A bounce buffer is written whole, so it takes no more memory;
-a buffer touched only in part (LMDB's join buffer, sized to the largest
+gets depends on how its pages were first touched: a buffer that a
+``memmove`` faulted in page by page (as the ``file`` backend's first writes
+do) is scattered in small runs, and reads into it can take half as long
+again or twice as long as the same reads into memory the kernel faulted in
+for an earlier read: the same syscalls, offsets and descriptor, only the
+memory differs. So a buffer of :data:`_HUGE_MIN` bytes or more asks for
+transparent huge pages (``madvise(MADV_HUGEPAGE)``, honoured where the
+system's THP setting is ``madvise`` or ``always``) before it is touched:
+2 MiB physically contiguous pages, whichever way they are first touched.
+A bounce buffer is written whole, so it takes no more memory; a buffer
+touched only in part (LMDB's join buffer, sized to the largest
 record) may take up to one huge page more than it touches. Where the
 kernel has no huge page to give, it falls back to small pages silently.
 

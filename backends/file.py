@@ -20,9 +20,8 @@ threads never touch the same bytes. The positional calls (``pwritev`` /
 NOTE [ File backend growth ]
 
 The file starts empty and grows when a record would end past it, never
-beyond the budget. (It used to be preallocated to the whole budget at the
-first spill: 32 GiB of disk, by default, for a step that spilled 9 MiB.)
-Each growth asks the filesystem first (``fstatvfs``): ext4 can allocate part
+beyond the budget: a step that spills a few MiB takes a few MiB of disk,
+whatever the budget. Each growth asks the filesystem first (``fstatvfs``): ext4 can allocate part
 of a request before it fails with ENOSPC, and glibc emulates fallocate by
 writing blocks where the filesystem lacks it; either would fill the disk for
 other processes. The grown range is then reserved with fallocate(2), so that

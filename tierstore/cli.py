@@ -145,7 +145,7 @@ def demo(args: argparse.Namespace) -> int:
 # `make demo` is a newcomer's first command: it ends on what they came for,
 # peak memory with and without offload, step time, gradients equal to
 # eager's, under one "result:" heading, and nothing after it. Checks against
-# the issues' targets are the benchmarks' business (their own commands, on
+# the benchmarks' targets are the benchmarks' business (their own commands, on
 # models of the size the targets are for); the demo names them and runs none.
 
 

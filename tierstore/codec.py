@@ -153,7 +153,7 @@ class Layout:
 # NOTE [ Addresses ]
 # A kernel's rounding can follow its operands' addresses too: CPU BLAS takes
 # another vector path for an operand whose first element is not on a 16-byte
-# boundary (measured: the gradient of W in x.t()[:, 1:] @ W differs in its
+# boundary (the gradient of W in x.t()[:, 1:] @ W differs in its
 # last bits between a copy 24 bytes past a 64-byte boundary, where eager's
 # view starts, and one on it). Allocators hand out memory on a boundary
 # (address_align: CPU 64 bytes, the CUDA caching allocator 512), so eager's
@@ -412,12 +412,12 @@ _FORMAT = "tierstore-1"
 # carries the xxh3-64 checksum of its payload (as stored: compressed or raw)
 # in its header, and decode() checks it before a byte is used: a flipped bit
 # on the disk is a CorruptDataError, never a silently different gradient.
-# xxh3 because it is the fastest well-kept hash for the job: ~30 GB/s on one
-# core of the development VM against ~15 GB/s for crc32c and ~6 GB/s for
-# zlib's crc32 (`tierstore bench storage` prints it beside the disk figures),
-# and it releases the GIL. It guards against corruption, not against an
-# attacker who can write the spill file: that is what the 0700 directory is
-# for (NOTE [ Spill directory lifecycle ]).
+# xxh3 because it is the fastest well-kept hash for the job, about twice
+# crc32c's rate and five times zlib's crc32's on one core (`tierstore bench
+# storage` prints its rate beside the disk figures), and it releases the GIL.
+# It guards against corruption, not against an attacker who can write the
+# spill file: that is what the 0700 directory is for
+# (NOTE [ Spill directory lifecycle ]).
 # Lengths are checked before anything is allocated from them: the header is
 # at most _MAX_HEADER bytes, an uncompressed payload must be exactly
 # numel * itemsize bytes, and the store sizes every read from the header it
@@ -473,8 +473,8 @@ HEADROOM = 4096
 # memory itself (a span staged for its write, NOTE [ Write staging ]; a zstd
 # payload), it leaves HEADROOM bytes in front of it; Frame.views() writes the
 # header there and hands over the whole record as one view. A header longer
-# than HEADROOM (never seen: they take a few hundred bytes) or a payload in
-# the caller's memory go as two views, as before.
+# than HEADROOM (headers take a few hundred bytes) or a payload in the
+# caller's memory go as two views, header and payload.
 #
 # A payload of ALIGNED_MIN bytes or more gets its header padded (with spaces
 # inside the JSON, as safetensors pads it) to exactly HEADROOM bytes. The

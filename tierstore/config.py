@@ -72,12 +72,12 @@ _toml_override: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
 #
 # A size is a whole number of bytes: an int, a float with no fraction, or a
 # string "<number> <unit>". Pydantic's ByteSize alone is too lenient: it
-# matches only a prefix of the string, so "4 GB/s" was 4 GB and "4 GiB 7" was
+# matches only a prefix of the string, so "4 GB/s" would be 4 GB and "4 GiB 7"
 # 4 GiB; it truncates "0.5" to 0 bytes; it takes bits ("1 Gbit"), True as
 # 1 byte, and reports -1 or a list only as "could not parse". The parser below
 # takes the whole string, computes in Decimal (so "1.1 GB" is exact), and says
 # what is wrong. Units are ByteSize's byte units, case-insensitive, so every
-# size that parsed before and meant whole bytes still parses to the same value.
+# size ByteSize reads as whole bytes means the same number here.
 _UNITS: dict[str, int] = {
     "": 1,
     "b": 1,
@@ -403,7 +403,7 @@ class TierConfig(BaseSettings):
     #   "keep everything": min_offload_bytes or tierstore.keep() say that.)
     # - compression='zstd' with disk_budget=0: compression applies only to
     #   disk entries; asking for it with no disk tier is a contradiction the
-    #   user should hear about (issue 6), not a setting silently ignored.
+    #   user should hear about, not a setting silently ignored.
     # Considered and not errors (sources layer: a TOML file or environment
     # sets the defaults of a fleet, an argument turns one thing off, and that
     # must not make the other settings fail):

@@ -168,13 +168,12 @@ def _floor() -> contextlib.AbstractContextManager[Any]:
 
 
 # NOTE [ Steps paired with no hooks' ]
-# On the 2-vCPU VM this bench runs on, the same step with no hooks runs at
-# up to twice its median for a second or more at a time with nothing else
-# running, in the thread's CPU time as much as in wall time (the host under
-# the VM runs it slower; the guest counts no steal): over 64 steps of no
-# hooks alone, the slowest came out at 1.3-2.1x the median and the mean at
-# 1.02-1.09x in four runs, at or above what a budget row is held to (1.5x
-# and 1.05x). So each step of a row runs between two steps of no hooks, and
+# A machine's own drift is as large as what a budget row is held to (its
+# slowest step 1.5x its median, its mean 1.05x): on a small VM the same step
+# with no hooks can run at up to twice its median for a second or more at a
+# time with nothing else running, in the thread's CPU time as much as in
+# wall time (the host under the VM runs it slower; the guest counts no
+# steal). So each step of a row runs between two steps of no hooks, and
 # the steadiness judged is that of the step over the geometric mean of those
 # two: a slowdown of the machine longer than the three steps cancels, and
 # what stays is the row's own (a plan made on the training thread, a wait on
@@ -188,8 +187,9 @@ def _floor() -> contextlib.AbstractContextManager[Any]:
 # NOTE [ Full collections in a row's steps ]
 # Python collects its oldest generation once the objects that survived two
 # younger collections since the last one pass a quarter of those it holds: a
-# pass over every tracked object of the process (about 85 ms here, most of a
-# step of this bench, and more in a process that imports more). A row whose
+# pass over every tracked object of the process (tens of milliseconds once
+# torch is imported, most of a step of this bench, and more in a process
+# that imports more). A row whose
 # saves leave objects alive from forward to backward promotes them at each
 # younger collection, so its steps are the ones that pay, every few dozen
 # steps. The bench collects once before the timed rounds, never between
@@ -322,7 +322,7 @@ def _measure(
             if isinstance(store, TierStore) and store.config.activation_budget is not None:
                 # A plan that needs a search is made in a process of its own
                 # while the steps go on (NOTE [ Planning off the training
-                # thread ] in tierstore/planning/runner.py): warm up until it runs.
+                # thread ] in tierstore/planning/checker.py): warm up until it runs.
                 for _ in range(MAX_STEPS_TO_A_PLAN):
                     if store.plan() is not None:
                         break

@@ -158,7 +158,7 @@ class SoakSettings:
 
 
 def default_settings(**changes: Any) -> SoakSettings:
-    """The soak of issue 6: 500 steps of GPT 4x256, seq 256, batch 8 (~250 MiB to disk a step).
+    """The default soak: 500 steps of GPT 4x256, seq 256, batch 8 (~250 MiB to disk a step).
 
     Example:
         >>> default_settings(backend="lmdb").steps

@@ -28,11 +28,10 @@ NOTE [ Steady state and first touch ]
 A training run keeps one store for thousands of steps, and every step
 writes into the space the previous step's entries freed: a backend's rate
 from the second step on is the one a user sees. The first write into new
-space is another matter: on the development VM, LMDB growing its map wrote
-at a quarter to a third of its rate into pages it had freed, and buffered
-writes into fallocated, never written blocks ran at a fifth of the rate of
-writes over written ones, where ``O_DIRECT`` lost far less. So each row is
-measured both ways:
+space is another matter: LMDB growing its map writes at a fraction of its
+rate into pages it has freed, and buffered writes into fallocated, never
+written blocks run at a fraction of the rate of writes over written ones,
+where ``O_DIRECT`` loses far less. So each row is measured both ways:
 
 * ``steady`` (the headline, and what the targets judge): one store per row,
   kept for the whole run (``raw``: one file). Its first pass is untimed.
@@ -71,8 +70,9 @@ file) is not timed: a store does it once, not per tensor; the ``file``
 backend's file grows on demand during its first timed writes (a few
 fallocate calls: NOTE [ File backend growth ]). Files a baseline creates
 per tensor are part of its cost. Where the steady state does not run, an
-untimed ``raw`` pass runs first: on the development VM the first gigabyte a
-process writes was up to 5x slower than the next, whichever row came first.
+untimed ``raw`` pass runs first: the first gigabyte a process writes can
+be several times slower than the next, and no row should pay that for
+coming first.
 
 NOTE [ Benchmark data ]
 Fresh random data, not zeros (zstd would compress zeros to nothing): each

@@ -21,8 +21,8 @@ the same :class:`~tierstore.backends._aligned.AlignedBufferPool`, since a
 tensor's memory is not page-aligned: copy a chunk in, write it whole; read
 whole blocks, copy them out into a new tensor allocated on the I/O thread,
 as the store's reads allocate theirs (where a thread's memory comes from
-moved ``raw``'s reads by 10% on the development VM: a copy into memory not
-yet faulted in ran at 2 GB/s there, into warm memory at 10). It skips what
+moves a read's time: a copy into memory not yet faulted in runs at a
+fraction of the rate of one into warm memory). It skips what
 only a store needs: the record header, its checksum, the allocator, the
 event loop. ``raw-buffered`` is
 the same through the page cache (``pwrite`` / ``preadv`` from and into the
@@ -33,9 +33,9 @@ NOTE [ Dropping LMDB's mapped pages ]
 ``posix_fadvise(POSIX_FADV_DONTNEED)`` leaves alone pages that a process
 has mapped. LMDB reads through a read-only shared map of its data file, so
 once a store has read its records back, the pages stay mapped; the next
-pass overwrites them through the page cache, and after the drop 89% of
-them were still resident (measured with mincore on this benchmark's
-steady-state ``lmdb`` row): its reads would come from memory. So before the
+pass overwrites them through the page cache, and after the advice most of
+them are still resident (mincore shows it on this benchmark's steady-state
+``lmdb`` row): its reads would come from memory. So before the
 advice, :func:`drop_cache` unmaps this process's shared maps of the files
 from its page tables (``madvise(MADV_DONTNEED)``, found in
 ``/proc/self/maps``). On a shared file map this discards nothing: the next
@@ -532,8 +532,8 @@ class _RawSession(Session):
     def _read_one(self, like: torch.Tensor, offset: int) -> tuple[int, torch.Tensor]:
         # The destination is allocated here, on the I/O thread, as the
         # store's reads allocate theirs: where a thread's memory comes from
-        # (which malloc arena, memory already faulted in or not) costs as
-        # much as the copy on the development VM.
+        # (which malloc arena, memory already faulted in or not) can cost as
+        # much as the copy itself.
         assert self._fd is not None
         out = torch.empty(like.shape, dtype=like.dtype)
         view = codec.byte_view(out)
@@ -631,7 +631,7 @@ def _safetensors_load(path: Path) -> torch.Tensor:
 
 
 class _TierstoreSession(Session):
-    """``file``, ``lmdb`` (``+zstd``): the store's movers (:class:`~tierstore.tiers.movers.Pipeline`).
+    """``file``, ``lmdb`` (``+zstd``): the movers (:class:`~tierstore.tiers.movers.Pipeline`).
 
     Write: every span is submitted at once, as forward would queue them; the
     pipeline frames them (zstd with byte shuffle when on) and writes them

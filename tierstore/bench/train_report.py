@@ -122,7 +122,7 @@ _Check = tuple[str, float | None, str, float]
 
 
 def _cpu_checks(r: StrategyResult, by_name: dict[str, StrategyResult]) -> list[_Check]:
-    # Issue 11: full disk offload against what users see, in the same run.
+    # Full disk offload against what users see, in the same run.
     hit = r.prefetch["hit_rate"] if r.prefetch else None
     rivals = [
         (f"peak RSS vs {name}", _ratio(r.peak_memory_bytes, other.peak_memory_bytes))
@@ -140,7 +140,7 @@ def _cpu_checks(r: StrategyResult, by_name: dict[str, StrategyResult]) -> list[_
 
 
 def _recompute_checks(r: StrategyResult, off: StrategyResult | None) -> list[_Check]:
-    # Issue 13: recompute="cheap" against the same store without it, in the same run.
+    # recompute="cheap" against the same store without it, in the same run.
     def vs_off(get: Callable[[StrategyResult], float | None]) -> float | None:
         return _ratio(get(r), get(off)) if off is not None else None
 
@@ -153,7 +153,7 @@ def _recompute_checks(r: StrategyResult, off: StrategyResult | None) -> list[_Ch
 
 
 def _cuda_checks(r: StrategyResult, by_name: dict[str, StrategyResult]) -> list[_Check]:
-    # Issue 11: the host tier against save_on_cpu, the offloader users would pick.
+    # The host tier against save_on_cpu, the offloader users would pick.
     rival = by_name.get("save_on_cpu")
     reserved = _ratio(r.peak_memory_bytes, rival.peak_memory_bytes) if rival else None
     allocated = _ratio(r.peak_allocated_bytes, rival.peak_allocated_bytes) if rival else None
@@ -196,7 +196,7 @@ def _target(name: str, what: str, value: float | None, op: str, target: float) -
 
 
 # NOTE [ Budget targets ]
-# Issue 21, CPU, with only activation_budget set: each budget row's peak RSS
+# On the CPU, with only activation_budget set: each budget row's peak RSS
 # is at most checkpoint's plus the budget's share of none's (the share: the
 # plan's budget over the bytes the step saves), and the plan's predicted
 # step is within 15% of the measured one. Across the budget rows, some row

@@ -102,14 +102,11 @@ BUDGET = "budget="
 # store's own measurement of the step. Every row runs the same steps, so a
 # budget row's first plan is made where its profile ends, as the steps
 # counted here expect, not while steps go on (NOTE [ Planning off the
-# training thread ] in tierstore/planning/runner.py): the step waits for the planning
+# training thread ] in tierstore/planning/checker.py): the step waits for the planning
 # process (PlanRunner.wait_for_plans), and the bench measures the planned
 # steps, which that choice leaves as they are. In the planning process, as a
 # user's plans are, so that the row's process runs the store a user runs,
-# with no search in it. (Searching here instead made no difference the
-# runs could show to the first planned step's peak RSS, often a budget
-# row's largest: three runs each on bench train's small model, within the
-# runs' spread.) For the same reason a plan a check remakes (a step slower
+# with no search in it. For the same reason a plan a check remakes (a step slower
 # than predicted: its moved bytes or op-by-op rebuilds cost more than
 # priced) is remade where the check runs, at a step boundary in the warm-up,
 # and the measured steps run on it, as a user's steps do once the planning
