@@ -90,8 +90,10 @@ LAYERS = {
     # in tierstore imports them (test_nothing_imports_the_integrations).
     "integrations": {"config", "errors", "stats", "tier_store"},
     "cli": {"bench", "config", "errors", "models", "stats", "tier_store"},
-    "__init__": {"config", "errors", "stats", "tier_store"},
-    # The public API wires the layers below together.
+    "__init__": {"autograd", "config", "errors", "offloading", "stats", "tier_store"},
+    # The public API: the store wires the layers below together; offload() and
+    # offload_module hand out stores.
+    "offloading": {"autograd", "config", "errors", "tier_store"},
     "tier_store": {"autograd", "codec", "config", "errors", "planning", "stats", "tiers"},
     # The autograd boundary: saved_tensors_hooks, ops and modules; what the plan
     # says for a save; handles. Never files or streams.
@@ -100,6 +102,8 @@ LAYERS = {
     "planning": {"config", "errors", "stats", "tiers"},
     # The planner is a pure function over numbers (the planning process imports it alone).
     "planning.planner": set(),
+    # The planning process's program imports the planner alone (by path when run).
+    "planning.worker": {"planning"},
     # The tiers never import planning: a limit reaches them as a number.
     "tiers": {"backends", "codec", "config", "errors", "stats"},
     "tiers.handle": set(),

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tierstore import TierConfig
+from tierstore.planning.runner import PlanRunner
 from tierstore.tiers import readahead
 from tierstore.tiers.manager import TierManager
 from tierstore.tiers.transfers import DeviceCopy, HostCopy, Transfers
@@ -51,7 +52,7 @@ def _manager(copies: list[int], **config: object) -> TierManager:
     manager._transfers.device_copy = fake_copy  # type: ignore[method-assign]
     # Placed as GPU entries are: CPU tensors would skip the host tier while
     # there is a disk tier (NOTE [ CPU tensors skip the host tier ]).
-    manager._skips = lambda entry, tier: False  # type: ignore[method-assign]
+    manager._placing._skips = lambda entry, tier: False  # type: ignore[method-assign]
     return manager
 
 
@@ -162,6 +163,7 @@ def _budget_manager(
         write_queue_bytes=8192,
         activation_budget="1MiB",
     )
+    m.follow(PlanRunner(m.config, **m.measures()))  # as TierStore wires them
 
     def fake_host_copy(span: torch.Tensor) -> HostCopy:
         events.append(event())
@@ -178,11 +180,11 @@ def test_in_a_planned_step_forward_never_waits_on_a_copy_in_flight(
     events: list[_Event] = []
     m = _budget_manager(copies, events)
     closing.append(m)
-    assert m.plans is not None
+    assert m.limits is not None
     # A step on its plan, whose window is the store's own limit.
-    monkeypatch.setattr(type(m.plans), "planned", property(lambda self: True))
-    monkeypatch.setattr(m.plans, "in_flight_bytes", lambda adding=0: None)
-    monkeypatch.setattr(m.plans, "budget_bytes_now", lambda: 1 << 20)
+    monkeypatch.setattr(type(m.limits), "planned", property(lambda self: True))
+    monkeypatch.setattr(m.limits, "in_flight_bytes", lambda adding=0: None)
+    monkeypatch.setattr(m.limits, "budget_bytes_now", lambda: 1 << 20)
     saved = [torch.randn(1024) for _ in range(4)]  # 4 KiB each
     handles = [m.put(t, tier="host") for t in saved]  # as the plan's offloads are put
     # 12 KiB under way, over write_queue_bytes: the fourth save stays on the device.
@@ -203,7 +205,7 @@ def test_the_safe_placement_waits_for_the_oldest_copy_past_the_bound(
     events: list[_Event] = []
     m = _budget_manager(copies, events, _SlowEvent)
     closing.append(m)
-    assert m.plans is not None and not m.plans.planned
+    assert m.limits is not None and not m.limits.planned
     saved = [torch.randn(1024) for _ in range(5)]  # 4 KiB each
     handles = [m.put(t) for t in saved]
     assert [e.waited for e in events] == [True, True, False, False, False]

@@ -364,11 +364,11 @@ def test_in_a_planned_step_forward_never_blocks_on_a_copy_in_flight(
 
     with tierstore.TierStore(_host(write_queue_bytes="2MiB", activation_budget="1GiB")) as store:
         manager = store._manager
-        assert manager.plans is not None
+        assert manager.limits is not None
         # A step on its plan, whose window is the store's own limit; the
         # plan's offloads are put to the host tier, as the hooks put them.
-        monkeypatch.setattr(type(manager.plans), "planned", property(lambda self: True))
-        monkeypatch.setattr(manager.plans, "in_flight_bytes", lambda adding=0: None)
+        monkeypatch.setattr(type(manager.limits), "planned", property(lambda self: True))
+        monkeypatch.setattr(manager.limits, "in_flight_bytes", lambda adding=0: None)
         saved = [torch.randn(1 << 18, device=CUDA) for _ in range(6)]  # 1 MiB each
         torch.cuda._sleep(_SLEEP_CYCLES)  # the producer runs late: no copy lands here
         with monkeypatch.context() as patch:

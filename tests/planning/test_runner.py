@@ -242,7 +242,7 @@ def test_another_sequence_length_is_handled_safely_and_planned_again(
 
 def _kind(store: tierstore.TierStore) -> str:
     """What the step that just ran was (it ends when the next block begins)."""
-    runner = store._manager.plans
+    runner = store._runner
     assert runner is not None
     return "profiled" if runner.profiling else "planned" if runner.planned else "safe"
 
@@ -268,7 +268,7 @@ def test_shapes_that_come_and_go_are_each_profiled_once_then_planned(
         "profiled",  # the new shape
         *["planned"] * 4,  # each shape follows its own plan from then on
     ]
-    runner = store._manager.plans
+    runner = store._runner
     assert runner is not None
     assert len(runner._plans) == 2
     assert store.plan() is runner._plans[runner._expected]
@@ -594,7 +594,7 @@ def test_without_a_budget_there_is_no_plan(spill_root: Path) -> None:
             with store.offload():
                 _step(model, step)
         assert store.plan() is None
-        assert store._manager.plans is None
+        assert store._runner is None
         assert store._manager._transfers.heap_releases == 0  # NOTE [ Handing the heap back ]
 
 
@@ -610,7 +610,7 @@ def test_a_planned_cpu_step_starts_on_a_released_heap(
     for floor, releases in ((host.RELEASE_MIN_BYTES, 0), (1, 2)):
         monkeypatch.setattr("tierstore.tiers.transfers.RELEASE_MIN_BYTES", floor)
         store = budget_store(0.05)
-        monkeypatch.setattr(store._manager.plans, "budget_bytes_now", lambda: 1 << 40)
+        monkeypatch.setattr(store._runner, "budget_bytes_now", lambda: 1 << 40)
         _same(_run(store, 3), _run(None, 3))
         plan = store.plan()
         assert plan is not None and "offload" in plan.choices
@@ -703,8 +703,8 @@ def test_the_safe_placement_writes_a_save_past_its_share_synchronously(
 
     def noted(self: TierManager) -> None:
         note(self)
-        assert self.plans is not None
-        step = self.plans._step
+        assert self.limits is not None
+        step = self.limits._step  # type: ignore[attr-defined]
         assert step is not None
         if not self._schedule.unpacking:  # forward
             queued.append((self._writes.queued_bytes, int(0.001 * step.saved_bytes)))

@@ -32,8 +32,6 @@ import itertools
 import math
 import os
 import threading
-import time
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -42,79 +40,27 @@ from typing import Any
 import torch
 
 from tierstore import codec
-from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
+from tierstore.config import TierConfig
 from tierstore.errors import (
     StoreClosedError,
-    TierFullError,
     TierstoreError,
-    TierstoreWarning,
     modified_in_place,
 )
-from tierstore.planning.runner import PlanRunner
-from tierstore.stats import TIERS, PackTally, Placement, Stats, Tier, TierStats
+from tierstore.stats import TIERS, PackTally, Stats, Tier, TierStats
+from tierstore.tiers.counts import QUIET_ROOM, SaveCounts
 from tierstore.tiers.entry import Entry, TierState
 from tierstore.tiers.forks import forked_message, leave_to_parent
 from tierstore.tiers.handle import Handle
+from tierstore.tiers.inflight import InFlight
+from tierstore.tiers.limits import Limits, Measures
 from tierstore.tiers.movers import LinkClock, Pipeline
+from tierstore.tiers.placement import TierPlacement
 from tierstore.tiers.readahead import ReadAhead
 from tierstore.tiers.schedule import Schedule
-from tierstore.tiers.transfers import Transfers, cuda_events, page_fault_s
+from tierstore.tiers.transfers import Transfers
 from tierstore.tiers.writebehind import WriteBehind
 
-__all__ = ["TierManager", "resting_nbytes"]
-
-# NOTE [ Placement ]
-# A new entry goes to the fastest tier whose budget can hold it at all; when
-# that pushes the tier over budget, its *oldest* entries move one tier down
-# (recursively). Backward consumes saved tensors newest first, so keeping the
-# newest in the fastest tier is Belady's optimal eviction for a known future.
-# An entry moves only after it has landed below: if the disk refuses it, it
-# stays where it was and the save that needed the room raises TierFullError.
-# On CUDA an entry moved from the host tier to the disk keeps its block of
-# the pinned pool until its write lands, so the pool (host_budget plus
-# write_queue_bytes) can be full while the host tier has room: the save that
-# made the room then waits for those writes rather than refuse (an H200
-# step whose 1 GiB saves pushed the tier down raised TierFullError here).
-
-# NOTE [ CPU tensors skip the host tier ]
-# For a tensor on the CPU, the host tier is the same RAM it already sits in:
-# a host "copy" frees nothing. So while there is a disk tier (disk_budget >
-# 0), a CPU entry goes from the device tier (device_budget: the bytes it may
-# keep in RAM as they are) straight to the disk. The host tier keeps its
-# meaning for accelerator tensors, and for CPU tensors only where there is no
-# disk tier (disk_budget=0: a host-only configuration, as before) and as the
-# place where an entry whose disk write failed stays (NOTE [ Failed writes ]).
-# The rule depends on values, not on where they came from: an explicit
-# host_budget does not pull CPU tensors back into RAM, since equal configs
-# describe the same store, and a fleet's TOML sizing host_budget for its GPU
-# nodes must not make a CPU run save nothing. device_budget is the setting
-# that keeps CPU tensors in RAM.
-
-# NOTE [ Copies in flight ]
-# A D2H copy's source stays on the device until the copy has read it, so
-# the bytes under way are bounded, by write_queue_bytes as the disk queue
-# is. Past that bound:
-#   * without activation_budget, and in a step that follows no plan (the
-#     safe placement of the warm-up, profiled and waiting steps), the save
-#     waits for the oldest copy, as the README promises: every eligible
-#     save leaves the device, and forward runs at the link's pace where the
-#     link is the bottleneck. (It used to stay on the device without a
-#     word: the tail of forward never moved. Under the safe placement,
-#     which offloads everything, it let the device tier grow past the
-#     budget by all that the link had not moved yet; an H200's warm-up
-#     steps under a budget peaked at 5.4-6.9 GiB of a 7.6 GiB step, which
-#     max_memory_reserved then kept.)
-#   * in a planned step, forward never blocks the CPU on a CUDA event (while
-#     it waits it queues no kernels, and the copies were meant to hide
-#     behind those): a query, not a wait. While copies over the bound are
-#     under way (the events queried at each call, Transfers.settle), a new
-#     save stays on the device tier, over device_budget if need be, as the
-#     newest entry; the plan bounds what it sends to what the link hides.
-# Once the copies land, the next save first moves the device tier's oldest
-# entries down until it is within budget again or the copies are over the
-# bound once more; backward takes whatever is still on the device as it is.
-# The decision reads only byte counts: the CPU tests drive it with events
-# that report "not done".
+__all__ = ["POOLED_MIN_BYTES", "QUIET_ROOM", "TierManager", "resting_nbytes"]
 
 # NOTE [ Version check ]
 # Eager autograd raises at backward if a saved tensor was modified in place.
@@ -209,10 +155,6 @@ __all__ = ["TierManager", "resting_nbytes"]
 #: step's next allocation of that size takes again.
 POOLED_MIN_BYTES = 64 << 10
 
-#: NOTE [ Quiet blocks ] in tier_store.py: a block repeats the one before only
-#: where that one's bytes fit this many times in the room device_budget leaves.
-QUIET_ROOM = 8
-
 
 def resting_nbytes(t: torch.Tensor) -> int:
     """Bytes a tensor takes once offloaded: broadcast (stride-0) dimensions count once.
@@ -283,43 +225,38 @@ class TierManager:
         self._writes = WriteBehind(
             config, self._pipeline, self._transfers, self._tiers, self._entries
         )
-        self._packed = 0  # saves that took the full path; kept ones are in _kept_by
+        self._packed = 0  # saves that took the full path; kept ones are in the counts
         self._deduplicated = 0
+        self._placing = TierPlacement(
+            self._tiers,
+            pipeline=self._pipeline,
+            transfers=self._transfers,
+            reads=self._reads,
+            writes=self._writes,
+        )
         # NOTE [ Saves that stay ]: their counters, under a lock of their own.
-        self._counts = threading.Lock()
-        # Saves kept as they are, by why: [count, bytes] (device_budget: by the
-        # budget or the plan, without an entry).
-        self._kept_by: dict[Placement, list[int]] = {"device_budget": [0, 0]}
-        # What the device tier had free of device_budget as the step began; -1:
-        # this step's saves may not stay (its predecessor did not fit, or one
-        # of its own saves did not).
-        self._room = -1
-        self._step_bytes = 0  # offloadable bytes saved this step (the hooks ask stays())
-        self._stayed_n = 0  # of them, saves that stayed by device_budget without an entry
-        self._stayed = 0  # and their bytes, once one did not: till then, all of _step_bytes
-        self._recomputed = 0  # saves rebuilt in backward, and their bytes; under _counts
-        self._recomputed_bytes = 0
-        self._restrided_views = 0  # NOTE [ Spans ] in codec.py: views that come back dense
-        self._copy_wait_s = 0.0  # forward's waits for D2H copies (NOTE [ Copies in flight ])
-        # Saves by where they went (NOTE [ Is it working? ] in tierstore/stats.py).
-        self.tally = PackTally()
+        self._counts = SaveCounts(self._tiers["device"], int(config.device_budget))
+        # Every save that stays calls one of these: bound here, not wrapped
+        # (SaveCounts.stays, SaveCounts.count_kept).
+        self.stays = self._counts.stays
+        self.count_kept = self._counts.count_kept
+        self._flight = InFlight(
+            config,
+            pipeline=self._pipeline,
+            transfers=self._transfers,
+            reads=self._reads,
+            writes=self._writes,
+            schedule=self._schedule,
+            counts=self._counts,
+            device=self._tiers["device"],
+            links=links,
+        )
         self._closed = False
         # What stats() returns once close() has run.
         self._final: Stats | None = None
-        #: activation_budget's profile, plan and measurements (NOTE [ Planned steps ]).
-        self.plans: PlanRunner | None = None
-        if config.activation_budget is not None:
-            self.plans = PlanRunner(
-                config,
-                self._pipeline.write_clock,
-                self._pipeline.read_clock,
-                lambda: self._pack_wait_s() + self._reads.unpack_wait_s,
-                self._pipeline.io_cpu_s,
-                events=cuda_events,  # NOTE [ Timing a profile ] in planning/runner.py
-                device_links=links,
-                cpu_step_began=self._trim,
-                page_fault_s=page_fault_s,
-            )
+        #: What the in-flight limits follow (:meth:`follow`): activation_budget's
+        #: plan runner (NOTE [ Planned steps ] in planning/runner.py), else ``None``.
+        self.limits: Limits | None = None
         self._resident_peak = 0
         self._parent: int | None = None  # NOTE [ Forked children ] in tierstore/tiers/forks.py
         leave_to_parent(self)
@@ -370,29 +307,30 @@ class TierManager:
             dedupe_key = _dedupe_key(t, storage)
             entry = self._deduplicated_entry(dedupe_key, storage)
             if entry is not None:
-                self._tally(entry, 0)
+                self._counts.tallied(entry.tier, 0)
                 return self._handle(entry, t)
             if self._schedule.unpacking:
-                self._step_started(cpu=t.device.type == "cpu")
-            if self.plans is not None:
-                self._follow_plan()
+                self._flight.step_started(cpu=t.device.type == "cpu")
             size = resting_nbytes(t) if nbytes is None else nbytes
-            copies_over = self._make_room_in_flight(size)
+            # NOTE [ Copies in flight ] in tiers/inflight.py: what leaves the device waits
+            # for room in flight, then the device tier's oldest move down to its budget.
+            cap = self._flight.make_room(size, self._unlocked)
+            copies_over = self._placing.device_to_budget(cap)
             self.check_open()  # closed by another thread while this one waited
             # NOTE [ Deduplication under threads ]: saved meanwhile by another thread?
             entry = self._deduplicated_entry(dedupe_key, storage)
             if entry is not None:
-                self._tally(entry, 0)
+                self._counts.tallied(entry.tier, 0)
                 return self._handle(entry, t)
             entry = Entry(next(self._keys), t.detach(), size)
-            stayed = self._stayed_now()[1]
+            stayed = self._counts.stayed_now()[1]
             if stayed:  # NOTE [ Saves that stay ]: the device tier holds the rest
                 self._tiers["device"].budget = max(0, int(self.config.device_budget) - stayed)
-            if copies_over:  # NOTE [ Copies in flight ]
-                self._hold(entry, "device")
+            if copies_over:  # NOTE [ Copies in flight ] in tiers/inflight.py
+                self._placing.hold(entry, "device")
             else:
-                self._land(entry, 0 if tier is None else TIERS.index(tier))
-            self._tally(entry, size)
+                self._placing.land(entry, 0 if tier is None else TIERS.index(tier))
+            self._counts.tallied(entry.tier, size)
             self._entries[entry.key] = entry
             self._schedule.packed(entry.key, (dedupe_key[2], t.dtype))
             with contextlib.suppress(TypeError):  # storages that refuse weak references
@@ -406,57 +344,51 @@ class TierManager:
                 except BaseException:  # Ctrl-C in the wait, say: no handle will release it
                     self._release_locked(entry.key)
                     raise
-            if self.plans is not None:
+            if self.limits is not None:
                 self._note_resident()
-            if entry.tier != "device":
-                self._let_go(size, entry.device)
+                if entry.tier != "device":
+                    self._flight.let_go(size, entry.device)
             return self._handle(entry, t)
 
     # -- activation_budget (NOTE [ Planned steps ] in planning/runner.py) ---------------------
 
-    def _follow_plan(self) -> None:
-        """The device tier holds what the plan keeps, or the safe placement's bytes."""
-        assert self.plans is not None
-        planned = self.plans.planned
-        self._tiers["device"].budget = _UNBOUNDED if planned else self.plans.safe_device_bytes()
+    def measures(self) -> Measures:
+        """The clocks and waits a plan's runner measures this manager's steps by.
+
+        The keyword arguments of ``PlanRunner`` after the config: the public
+        ``TierStore`` builds the runner from them and has this manager
+        :meth:`follow` it (the tiers never import planning).
+        """
+        return self._flight.measures()
+
+    def follow(self, limits: Limits | None) -> None:
+        """Take the in-flight limits, and the device tier's, from ``limits`` from now on.
+
+        ``None``: the config's own. The manager closes what it follows as it
+        closes (:meth:`close`).
+        """
+        self.limits = self._counts.limits = self._flight.limits = limits
 
     def _note_resident(self) -> None:
         """Saved bytes on the device now, in flight included: the peak the budget bounds."""
-        with self._counts:
-            self._resident_peak = max(self._resident_peak, self._resident())
-
-    def _resident(self) -> int:
-        """Saved bytes on the device: the device tier, in flight, and what the plan kept."""
-        return self._kept_resident() + self._reads.outstanding_bytes()
+        with self._counts.lock:
+            self._resident_peak = max(self._resident_peak, self._flight.resident())
 
     def plan_step_ended(self) -> tuple[str | None, list[str]]:
         """The step ended: plan from its profile or measure the plan; (INFO line, warnings)."""
-        runner = self.plans
+        runner = self.limits
         assert runner is not None
         with self._locked():
             self._transfers.settle()  # the copies that ended count in the link's rates
-            with self._counts:
+            counts = self._counts
+            with counts.lock:
                 # The peak where no backward ran; after one, less than it took.
-                peak = max(self._resident_peak, self._kept_resident())
+                peak = max(self._resident_peak, self._flight.kept_resident())
                 self._resident_peak = 0
                 n, nbytes = runner.kept()  # the step's plan-kept saves, counted for good
-                counts = self._kept_by["device_budget"]
-                counts[0] += n
-                counts[1] += nbytes
+                counts.add_kept("device_budget", n, nbytes)
             line = runner.step_ended(peak)
-            # A plan's window bounds both ways: the write queue is resident
-            # too, and a queue grown past the plan's would break the budget.
-            # The limits stay within the largest kept plan's window; each
-            # planned step holds them to its own plan's (in_flight_bytes).
-            window = runner.window_bytes()
-            self._reads.limit.bound(
-                window if window is not None else int(self.config.prefetch_bytes)
-            )
-            self._writes.limit.bound(
-                window if window is not None else int(self.config.write_queue_bytes)
-            )
-            self._reads.limit.hold_to(None)
-            self._writes.limit.hold_to(None)
+            self._flight.plan_step_ended(runner.window_bytes())
             said, runner.warnings = runner.warnings, []
             return line, said
 
@@ -472,40 +404,6 @@ class TierManager:
         self._deduplicated += 1
         return entry
 
-    def _step_started(self, *, cpu: bool) -> None:
-        """The first new save after a backward: the in-flight limits learn from that step.
-
-        A step under activation_budget on a CPU starts on a heap whose free
-        pages went back to the system (NOTE [ Handing the heap back ] in
-        tierstore/tiers/host_pool.py): here, unless the step follows a plan,
-        whose runner handed them back as its first save came, kept or not.
-        """
-        self._reads.limit.step_started()
-        self._writes.limit.step_started()
-        plans = self.plans
-        self._trim(cpu and plans is not None and not plans.planned)
-
-    def _trim(self, heap: bool) -> None:
-        """Hand back the pages of idle buffers as a step begins, and the heap's if ``heap``.
-
-        Host buffers (NOTE [ Leased buffers ]) and disk I/O buffers (NOTE [
-        Idle I/O buffers ]), each under its own pool's lock: from put() under
-        the manager's lock too, from the plan runner not.
-        """
-        self._transfers.trim(heap)
-        self._pipeline.trim()
-
-    def _let_go(self, nbytes: int, device: torch.device) -> None:
-        """Bytes of a save that left ``device``'s memory: counted by a planned CPU step.
-
-        NOTE [ Handing the heap back ] in tierstore/tiers/host_pool.py. Under
-        ``_counts``, which rebuilt saves count under without the manager's lock.
-        """
-        plans = self.plans
-        if plans is not None and device.type == "cpu" and plans.hands_back():
-            with self._counts:
-                self._transfers.let_go(nbytes, plans.budget_bytes_now())
-
     def get(self, handle: Handle) -> torch.Tensor:
         """The tensor ``handle`` refers to, on its original device, shape and strides.
 
@@ -520,18 +418,19 @@ class TierManager:
             self._writes.raise_failure()
             entry = self._entries[handle.key]
             self._check_version(entry, handle)
-            if self.plans is not None:  # NOTE [ Timing a profile ] in planning/runner.py
-                timer = self.plans.timer
+            limits = self.limits
+            if limits is not None:  # NOTE [ Timing a profile ] in planning/timers.py
+                timer = limits.timer
                 self._transfers.blocked = timer.blocked if timer is not None else None
             first = not self._schedule.unpacking
             if first:
-                self._begin_reads()
+                self._flight.begin_reads()
             self._schedule.unpacked(entry.key)
             got = self._fetch(entry, first)
-            if self.plans is not None:  # with this entry taken and the reads topped up
+            if limits is not None:  # with this entry taken and the reads topped up
                 self._note_resident()
-            if entry.tier != "device":
-                self._let_go(entry.nbytes, entry.device)
+                if entry.tier != "device":
+                    self._flight.let_go(entry.nbytes, entry.device)
         if isinstance(got, torch.Tensor):
             return got
         return self._reads.finish(entry, got, self._lock)  # waits outside the lock
@@ -561,27 +460,6 @@ class TierManager:
             if version is not None and version != handle.version:
                 raise modified_in_place(handle.shape, handle.dtype, version, handle.version)
 
-    def count_kept(self, nbytes: int, why: Placement = "keep", n: int = 1) -> None:
-        """Count ``n`` saves of ``nbytes`` in all the caller left on the device, and why.
-
-        NOTE [ Saves that stay ].
-        """
-        with self._counts:
-            counts = self._kept_by.get(why)
-            if counts is None:
-                counts = self._kept_by[why] = [0, 0]
-            counts[0] += n
-            counts[1] += nbytes
-
-    def _begin_reads(self) -> None:
-        """Backward's reads begin: the schedule's order, the window's bound; under the lock."""
-        self._schedule.begin()
-        if self.plans is not None:  # NOTE [ Planned steps ]
-            held = self._writes.queued_bytes + self._tiers["device"].bytes
-            # NOTE [ In-flight sizing ] in tiers/sizing.py: a plan's window exactly
-            ahead = self.plans.read_ahead_bytes(held)
-            self._reads.limit.hold_to(ahead, exact=self.plans.planned)
-
     def backward_began(self, reads: bool = True) -> None:
         """A timed step's backward used its first save: take the peak, start the reads.
 
@@ -591,92 +469,29 @@ class TierManager:
         now, not at the first unpack of an entry; ``reads=False``: not yet
         (a saved tensor read by hand, outside any backward).
         """
-        with self._counts:
-            self._resident_peak = max(self._resident_peak, self._kept_resident())
+        with self._counts.lock:
+            self._resident_peak = max(self._resident_peak, self._flight.kept_resident())
         if not reads or self._schedule.unpacking or not self._entries:
             return  # begun already (a step's second backward), or nothing to read
         with self._locked():
             if self._closed or self._schedule.unpacking:
                 return
-            self._begin_reads()
+            self._flight.begin_reads()
             self._reads.passed(first=True)
-            if self.plans is not None:
+            if self.limits is not None:
                 self._note_resident()
-
-    def _kept_resident(self) -> int:
-        """What the plan kept, the device tier and the write queue; under _counts.
-
-        Forward's figure: nothing is read ahead yet, and the reads' count is theirs.
-        """
-        kept = self.plans.kept_resident() if self.plans is not None else 0
-        return kept + self._tiers["device"].bytes + self._writes.queued_bytes
-
-    def stays(self, nbytes: int) -> bool:
-        """Whether a save of ``nbytes`` stays on the device by device_budget, counted if so.
-
-        NOTE [ Saves that stay ]: only in a step whose predecessor fitted, and
-        only while this step's saves so far fit too; once one does not, the
-        device tier holds the budget less what stayed.
-        """
-        counts = self._counts
-        counts.acquire()  # not `with`: half the cost, paid by every save that stays
-        try:
-            total = self._step_bytes = self._step_bytes + nbytes
-            if total <= self._room:
-                self._stayed_n += 1
-                return True
-            if self._room >= 0:  # the first that does not fit: the rest take the full path
-                self._room = -1
-                self._stayed = total - nbytes
-            return False
-        finally:
-            counts.release()
 
     def stayed_as_before(self, tally: PackTally) -> bool:
         """A quiet block's saves, counted as those of the block it repeats (``tally``).
 
-        NOTE [ Quiet blocks ] in tier_store.py: only where device_budget's saves may
-        stay this step (NOTE [ Saves that stay ]) and the repeated block's fit
-        :data:`QUIET_ROOM` times over in the room left; else ``False``, and
-        nothing is counted.
+        NOTE [ Quiet blocks ] in tier_store.py; :meth:`SaveCounts.stayed_as_before
+        <tierstore.tiers.counts.SaveCounts.stayed_as_before>`.
         """
-        n, nbytes = tally.counts.get("device_budget", (0, 0))
-        with self._counts:
-            if self.plans is not None or self._step_bytes + QUIET_ROOM * nbytes > self._room:
-                return False  # a room of -1: this step's saves may not stay
-            self._step_bytes += nbytes
-            self._stayed_n += n
-            for why, (k, b) in tally.counts.items():
-                if why != "device_budget":
-                    counts = self._kept_by.setdefault(why, [0, 0])  # type: ignore[arg-type]
-                    counts[0] += k
-                    counts[1] += b
-            return True
-
-    def _stayed_now(self) -> tuple[int, int]:
-        """The saves that stayed by device_budget this step, and their bytes; under _counts."""
-        return self._stayed_n, self._step_bytes if self._room >= 0 else self._stayed
-
-    def _kept_now(self) -> tuple[int, int]:
-        """Saves kept this step without an entry (not yet in ``_kept_by``); under _counts."""
-        if self.plans is not None:
-            return self.plans.kept()
-        return self._stayed_now()
+        return self._counts.stayed_as_before(tally)
 
     def step_ended(self) -> None:
         """A backward ran and the next step begins (NOTE [ Saves that stay ])."""
-        with self._counts:
-            if self.plans is not None:
-                return
-            n, nbytes = self._stayed_now()
-            counts = self._kept_by["device_budget"]
-            counts[0] += n
-            counts[1] += nbytes
-            device = self._tiers["device"]
-            device.budget = int(self.config.device_budget)
-            room = device.budget - device.bytes  # a graph kept across steps holds some
-            self._room = room if 0 < self._step_bytes <= room else -1
-            self._step_bytes = self._stayed_n = self._stayed = 0
+        self._counts.step_ended()
 
     def empty(
         self,
@@ -709,43 +524,26 @@ class TierManager:
         """
         # No entry, so not the manager's lock: counted as kept saves are
         # (NOTE [ Saves that stay ]).
-        with self._counts:
-            self._recomputed += n
-            self._recomputed_bytes += nbytes
-            self.tally.add("recomputed", nbytes, n)
-        if device is not None:
-            self._let_go(nbytes, device)
+        counts = self._counts
+        with counts.lock:
+            counts.recomputed += n
+            counts.recomputed_bytes += nbytes
+            counts.tally.add("recomputed", nbytes, n)
+        if device is not None and self.limits is not None:
+            self._flight.let_go(nbytes, device)
 
     def pack_tally(self) -> PackTally:
         """A snapshot of the saves by where they went (NOTE [ Is it working? ])."""
-        with self._counts:
-            tally = self.tally.copy()
-            now = self._kept_now()
-            for why, (n, nbytes) in self._kept_by.items():
-                live = now if why == "device_budget" else (0, 0)
-                if n + live[0]:
-                    had_n, had_bytes = tally.counts.get(why, (0, 0))
-                    tally.counts[why] = (had_n + n + live[0], had_bytes + nbytes + live[1])
-            return tally
-
-    def _kept_totals(self) -> tuple[int, int]:
-        """Saves kept as they are, whatever the reason, and their bytes."""
-        with self._counts:
-            n, nbytes = self._kept_now()
-            return (
-                n + sum(n for n, _ in self._kept_by.values()),
-                nbytes + sum(b for _, b in self._kept_by.values()),
-            )
-
-    def _tally(self, entry: Entry, nbytes: int) -> None:
-        """Count a save by where it landed: within device_budget, or below the device."""
-        with self._counts:
-            self.tally.add("device_budget" if entry.tier == "device" else "offloaded", nbytes)
+        return self._counts.pack_tally()
 
     @property
     def moved(self) -> bool:
         """Whether anything left the device (host or disk tier held bytes) or is rebuilt."""
-        return self._tiers["host"].peak > 0 or self._tiers["disk"].peak > 0 or self._recomputed > 0
+        return (
+            self._tiers["host"].peak > 0
+            or self._tiers["disk"].peak > 0
+            or self._counts.recomputed > 0
+        )
 
     def stats(self) -> Stats:
         """A snapshot of the counters; see :class:`~tierstore.stats.Stats`.
@@ -771,9 +569,10 @@ class TierManager:
         buffers = self._transfers.buffers_if_open
         backend = self._pipeline.backend_if_open
         reads, writes = self._reads, self._writes
-        kept, kept_bytes = self._kept_totals()
-        with self._counts:
-            recomputed, recomputed_bytes = self._recomputed, self._recomputed_bytes
+        counts = self._counts
+        kept, kept_bytes = counts.kept_totals()
+        with counts.lock:
+            recomputed, recomputed_bytes = counts.recomputed, counts.recomputed_bytes
         return Stats(
             tiers={
                 name: TierStats(
@@ -791,12 +590,12 @@ class TierManager:
             kept_bytes=kept_bytes,
             recomputed=recomputed,
             recomputed_bytes=recomputed_bytes,
-            restrided_views=self._restrided_views,
+            restrided_views=self._placing.restrided_views,
             prefetch_hits=reads.hits,
             prefetch_misses=reads.misses,
             bytes_prefetched=reads.prefetched_bytes,
             unpack_wait_s=reads.unpack_wait_s,
-            pack_wait_s=self._pack_wait_s(),
+            pack_wait_s=self._flight.pack_wait_s(),
             host_pool_bytes=pinned.reserved_bytes if pinned is not None else 0,
             host_pool_misses=pinned.allocations_outside if pinned is not None else 0,
             disk_io=backend.io_path if backend is not None else None,
@@ -830,8 +629,8 @@ class TierManager:
             if self._closed:
                 return
             self._closed = True
-            if self.plans is not None:
-                self.plans.close()
+            if self.limits is not None:
+                self.limits.close()
             futures: list[concurrent.futures.Future[Any]] = list(self._writes.futures())
             futures += self._reads.in_flight()
             self._reads.close()
@@ -854,125 +653,6 @@ class TierManager:
         with self._lock:  # the pools are gone with the movers: nothing is held now
             self._final = dataclasses.replace(final, host_pool_bytes=0, buffer_bytes_in_use=0)
 
-    # -- placement (NOTE [ Placement ]) -----------------------------------------
-
-    def _land(self, entry: Entry, start: int) -> None:
-        """Rest ``entry`` in the fastest tier from ``TIERS[start]`` down that can take it."""
-        for tier in TIERS[start:]:
-            state = self._tiers[tier]
-            if state.budget == 0 or self._skips(entry, tier):
-                continue
-            if tier == "disk":
-                self._write_disk(entry)
-                return
-            if entry.nbytes <= state.budget:
-                self._make_room(tier, entry.nbytes)
-                self._hold(entry, tier)
-                return
-        raise self._no_tier_error(entry, start)
-
-    def _skips(self, entry: Entry, tier: Tier) -> bool:
-        """NOTE [ CPU tensors skip the host tier ]."""
-        return tier == "host" and entry.device.type == "cpu" and self._tiers["disk"].budget > 0
-
-    def _make_room(self, tier: Tier, nbytes: int) -> None:
-        state = self._tiers[tier]
-        below = TIERS.index(tier) + 1
-        while state.bytes + nbytes > state.budget:
-            oldest = state.oldest()
-            if oldest is None:
-                return
-            self._land(oldest, below)  # raises, leaving `oldest` in place, if nothing takes it
-            state.remove(oldest, oldest.nbytes)
-
-    def _hold(self, entry: Entry, tier: Tier) -> None:
-        if tier == "host" and entry.layout is None:
-            span, layout = entry.span()
-            try:
-                self._transfers.to_host(entry, span)
-            except TierFullError:
-                if not self._writes:
-                    raise
-                # NOTE [ Placement ]: the entries just moved down hold their
-                # pool blocks until their writes land. Wait for those, then
-                # ask again; only a pool full of live entries refuses.
-                self._writes.wait_all_locked()
-                self._transfers.to_host(entry, span)
-            self._laid_out(entry, layout, tier, span.element_size())
-        entry.tier = tier
-        self._tiers[tier].add(entry, entry.nbytes)
-
-    def _write_disk(self, entry: Entry) -> None:
-        self._pipeline.check_alive()  # before anything changes: a dead thread writes nothing
-        state = self._tiers["disk"]
-        self._reads.drop(entry.key)  # a copy back from the host tier
-        reserve = self._pipeline.footprint_bound(entry.nbytes)
-        if state.bytes + reserve > state.budget and self._writes:
-            # Writes in flight hold reservations, and dead entries' writes hold
-            # space they will give back: settle them before calling it full.
-            self._writes.wait_all_locked()
-        if state.bytes + reserve > state.budget:
-            raise TierFullError(
-                f"tierstore: the disk tier is full: {human_bytes(state.bytes)} of "
-                f"disk_budget={human_bytes(state.budget)} in use, and a saved tensor of "
-                f"{human_bytes(entry.nbytes)} needs {human_bytes(reserve)} more; raise "
-                f"disk_budget ({ENV_PREFIX}DISK_BUDGET)"
-            )
-        if entry.layout is None:  # from the device tier: a view may need a dense copy
-            assert entry.tensor is not None
-            span, layout = codec.to_span(entry.tensor, self._transfers.allocator(entry.device))
-        else:
-            span, layout = entry.span()
-        # NOTE [ Write staging ]: nothing is staged for a write put() waits for.
-        self._transfers.to_host(entry, span, staged=not self._writes.synchronous)
-        self._laid_out(entry, layout, "disk", span.element_size())
-        entry.tier = "disk"
-        entry.footprint = reserve
-        state.add(entry, reserve, written=False)  # NOTE [ Write-behind ]: counted when written
-        self._writes.submit(entry)  # waited for by put() when synchronous
-
-    def _laid_out(self, entry: Entry, layout: codec.Layout, tier: Tier, itemsize: int) -> None:
-        """Give ``entry`` the layout it rests in; a view that comes back dense is never silent.
-
-        NOTE [ Spans ] in codec.py: counted in stats(), warned of once.
-        """
-        first, entry.layout = entry.layout is None, layout
-        if not first or layout.saved_stride is None:  # counted once, when it first left
-            return
-        self._restrided_views += 1
-        if self._restrided_views == 1:
-            warnings.warn(_restrided_warning(entry, layout, tier, itemsize), stacklevel=2)
-
-    def _make_room_in_flight(self, size: int) -> bool:
-        """Backpressure before a save of ``size`` bytes; whether D2H copies leave it on the device.
-
-        The write queue waits (NOTE [ Write-behind ]); D2H copies never do:
-        NOTE [ Copies in flight ].
-        """
-        if self.plans is not None:  # NOTE [ Planned steps ]: the plan's or the safe placement's
-            self._writes.limit.hold_to(self.plans.in_flight_bytes(adding=size))
-        self._writes.make_room(self._unlocked)
-        cap = self._writes.limit.cap_bytes
-        device = self._tiers["device"]
-        # Only a planned step may leave a save on the device instead of waiting.
-        planned = self.plans is not None and self.plans.planned
-        while not planned and self._transfers.copies_over(cap):
-            began = time.perf_counter()
-            self._unlocked(self._transfers.oldest_copy().synchronize)
-            self._copy_wait_s += time.perf_counter() - began
-            self._transfers.settle()
-        while not self._transfers.copies_over(cap):
-            oldest = device.oldest() if device.bytes > device.budget else None
-            if oldest is None:
-                return False
-            self._land(oldest, TIERS.index("host"))  # raises, leaving it in place, if full
-            device.remove(oldest, oldest.nbytes)
-        return True
-
-    def _pack_wait_s(self) -> float:
-        """Seconds forward waited: for the write queue, and for copies off the device."""
-        return self._writes.pack_wait_s + self._copy_wait_s
-
     def _unlocked(self, wait: Callable[[], object]) -> None:
         """Run ``wait`` with the lock released (forward waiting on copies or writes)."""
         self._lock.release()
@@ -981,17 +661,6 @@ class TierManager:
                 wait()
         finally:
             self._lock.acquire()
-
-    def _no_tier_error(self, entry: Entry, start: int) -> TierFullError:
-        budgets = ", ".join(
-            f"{tier}_budget={human_bytes(self._tiers[tier].budget)}" for tier in TIERS[start:]
-        )
-        last = next((t for t in reversed(TIERS) if self._tiers[t].budget), "disk")
-        return TierFullError(
-            f"tierstore: a saved tensor of {human_bytes(entry.nbytes)} fits in no tier "
-            f"({budgets}); raise {last}_budget ({ENV_PREFIX}{last.upper()}_BUDGET)"
-            + ("" if last == "disk" else " or give disk_budget a size")
-        )
 
     # -- lifetimes (NOTE [ Deferred release ]) ----------------------------------
 
@@ -1064,10 +733,6 @@ class TierManager:
             entry.probe = None
 
 
-#: The device tier's budget while a plan decides what it keeps.
-_UNBOUNDED = 1 << 62
-
-
 def _dedupe_key(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[Any, ...]:
     """What makes two saves the same bytes: storage address, view, dtype, device, version."""
     return (
@@ -1078,23 +743,6 @@ def _dedupe_key(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[Any, ..
         t.dtype,
         t.device,
         t._version,
-    )
-
-
-def _restrided_warning(
-    entry: Entry, layout: codec.Layout, tier: Tier, itemsize: int
-) -> TierstoreWarning:
-    """A saved view comes back dense: why, and how to keep its strides (NOTE [ Spans ])."""
-    assert layout.saved_stride is not None
-    reach = 1 + sum((n - 1) * st for n, st in zip(layout.shape, layout.saved_stride, strict=True))
-    return TierstoreWarning(
-        f"tierstore: a saved view of shape {layout.shape} and strides {layout.saved_stride} "
-        f"reaches across {human_bytes(reach * itemsize)} of storage for "
-        f"{human_bytes(entry.nbytes)} of elements; it comes back from the {tier} tier dense, "
-        f"with strides {layout.stride}, rather than allocate all of that in backward. Its "
-        "values are the same; code that relies on its strides (a custom autograd.Function, a "
-        "compiled graph) sees others. Later ones are only counted, in "
-        "stats().restrided_views; to keep its strides, save it inside tierstore.keep()"
     )
 
 

@@ -363,7 +363,8 @@ class Pipeline:
         self._deletes: set[asyncio.Task[Any]] = set()
         self._parent: int | None = None  # NOTE [ Forked children ] in tierstore/tiers/forks.py
         leave_to_parent(self)
-        #: The disk's rates each way as the store runs (NOTE [ Planned steps ] in planning/runner.py).
+        #: The disk's rates each way as the store runs (NOTE [ Planned steps ] in
+        #: planning/runner.py).
         self.write_clock = LinkClock()
         self.read_clock = LinkClock()
 

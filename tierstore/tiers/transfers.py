@@ -82,7 +82,7 @@ __all__ = ["DeviceCopy", "HostCopy", "Transfers", "page_fault_s"]
 # complete (settle()) their bytes and seconds go to the link's clock each
 # way (the store's, passed in). Copies on one stream run one after another, so the
 # seconds add up to the time the stream was busy: what a plan for this
-# device divides by (NOTE [ Timing a profile ] in planning/runner.py).
+# device divides by (NOTE [ Timing a profile ] in planning/timers.py).
 
 
 @dataclass(frozen=True)
@@ -422,7 +422,10 @@ class Transfers:
         self.reclaim()
 
     def oldest_copy(self) -> torch.cuda.Event:
-        """The event of the oldest D2H copy under way (NOTE [ Copies in flight ] in tiers/manager.py)."""
+        """The event of the oldest D2H copy under way.
+
+        NOTE [ Copies in flight ] in tiers/inflight.py.
+        """
         ready = self._copying[0].ready
         assert ready is not None
         return ready
@@ -476,7 +479,7 @@ class Transfers:
         Its memory is the stream's it was allocated on; a use on another
         stream is recorded on it (NOTE [ Copies on CUDA ]). While a profile
         runs, the wait is timed into :attr:`blocked` (NOTE [ Timing a
-        profile ] in planning/runner.py).
+        profile ] in planning/timers.py).
         """
         if copy.ready is not None:
             consumer = torch.cuda.current_stream(copy.tensor.device)  # at call time
@@ -617,7 +620,7 @@ class CudaEvents:
 
     A profile's :class:`~tierstore.planning.runner.BusyTimer` calls it for each event
     and, before an op, :meth:`keep_busy` when the stream has run dry (NOTE
-    [ Timing a profile ] in planning/runner.py): the op's start event then waits behind
+    [ Timing a profile ] in planning/timers.py): the op's start event then waits behind
     the spin while the host launches the op, so its span is the op's kernels
     alone, not the host's launch.
     """
