@@ -1,0 +1,131 @@
+"""The planning process: plans made in a process of its own, off the training thread.
+
+:class:`PlanningProcess` starts ``worker.py`` by its path: an interpreter
+and the pure planner, neither torch nor the package, so a start stays
+cheap. The profile goes in and the plan comes out as JSON lines (NOTE
+[ Planning off the training thread ] in planning/checker.py says why a
+process).
+
+Example:
+    >>> from tierstore.planning.planner import Profile, Save
+    >>> from tierstore.planning.process import PlanningProcess
+    >>> p = Profile((Save(1000, "aten.mm", "m", 0.0, 0.0),), 1.0, 1.0, 0.0, 1e9, 1e9, 1000)
+    >>> worker = PlanningProcess()
+    >>> worker.plan(p, 1 << 20).choices
+    ('keep',)
+    >>> worker.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import weakref
+from typing import Any
+
+from tierstore.planning.planner import Plan, Profile
+
+__all__ = ["WORKER", "PlanningProcess"]
+
+#: The planning process's program, run by its path (``python -I WORKER``):
+#: the planner module beside it alone, without the package's ``__init__``
+#: (which imports torch).
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+
+#: Profile fields the planning process is not sent (the planner reads none).
+_HOOKS_ONLY = ("stays_in", "stored_in", "between_s")
+
+
+def _fields(obj: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A dataclass's fields by name, as they are: no deep copy.
+
+    ``dataclasses.asdict`` deep-copies every save, on a thread that holds
+    the interpreter lock the training thread needs.
+    """
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in skip}
+
+
+class PlanningProcess:
+    """A process of its own that makes plans.
+
+    NOTE [ Planning off the training thread ] in planning/checker.py says why.
+
+    Started on first use; :meth:`close` ends it (idempotent). ``plan`` blocks
+    the calling thread, not the interpreter: it waits on a pipe.
+
+    Example:
+        >>> from tierstore.planning.planner import Profile, Save
+        >>> from tierstore.planning.process import PlanningProcess
+        >>> p = Profile((Save(1000, "aten.mm", "m", 0.0, 0.0),), 1.0, 1.0, 0.0, 1e9, 1e9, 1000)
+        >>> worker = PlanningProcess()
+        >>> worker.plan(p, 10).floor_bytes
+        1000
+        >>> worker.close(); worker.close()
+    """
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[bytes] | None = None
+        self._ender: weakref.finalize[Any, Any] | None = None  # ends it, closed or collected
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def plan(self, profile: Profile, budget: int) -> Plan:
+        """``make_plan(profile, budget)``, made in the planning process."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("tierstore: the planning process was closed")
+            process = self._process
+            if process is None or process.poll() is not None:
+                if self._ender is not None:
+                    self._ender()  # one that ended: its pipes, before another's
+                process = self._process = subprocess.Popen(
+                    [sys.executable, "-I", WORKER],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    close_fds=True,
+                )
+                self._ender = weakref.finalize(self, _end, process)
+            assert process.stdin is not None and process.stdout is not None
+            fields = _fields(profile, _HOOKS_ONLY)  # not the hooks layer's
+            fields["saves"] = [_fields(save) for save in profile.saves]
+            request = {"profile": fields, "budget": budget}
+            process.stdin.write(json.dumps(request).encode() + b"\n")
+            process.stdin.flush()
+            line = process.stdout.readline()
+            if not line:
+                raise RuntimeError("tierstore: the planning process ended without a plan")
+            made = json.loads(line)
+        return Plan(
+            profile=profile,
+            choices=tuple(made["choices"]),
+            budget_bytes=budget,
+            window_bytes=made["window_bytes"],
+            predicted_step_s=made["predicted_step_s"],
+            predicted_peak_bytes=made["predicted_peak_bytes"],
+            floor_bytes=made["floor_bytes"],
+            exposed_s=tuple(made["exposed_s"]),
+        )
+
+    def close(self) -> None:
+        """End the process. Idempotent."""
+        self._closed = True
+        self._process = None
+        if self._ender is not None:
+            self._ender()
+
+
+def _end(process: subprocess.Popen[bytes]) -> None:
+    """Close a planning process's pipes and end it: at ``close``, or for one nobody closed."""
+    for pipe in (process.stdin, process.stdout):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+    if process.poll() is None:
+        process.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5)

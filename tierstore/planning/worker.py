@@ -1,0 +1,113 @@
+"""The planning process's program: the pure planner alone, neither torch nor the package.
+
+:class:`~tierstore.planning.process.PlanningProcess` runs this file by its
+path (``python -I worker.py``), so that a start costs an interpreter and
+the planner, not ``import tierstore`` (whose ``__init__`` imports torch).
+Run so, it loads ``planner.py`` from beside it, by path; imported as part of
+the package (tests, type checks) it imports
+:mod:`tierstore.planning.planner`. It reads a profile and a budget as JSON
+lines and writes each plan's choices and figures back, one line each, until
+its input closes. JSON, not pickle: nothing tierstore reads can run code
+(tests/test_security.py). NOTE [ Planning off the training thread ] in
+planning/checker.py says why plans are made in a process.
+
+Example:
+    >>> import io, json
+    >>> from tierstore.planning import worker
+    >>> save = {"nbytes": 1000, "op": "aten.mm", "module": "m", "forward_s": 0.0,
+    ...         "use_s": 0.0, "inputs": [], "made_in": []}
+    >>> profile = {"saves": [save], "forward_s": 1.0, "backward_s": 1.0, "other_s": 0.0,
+    ...            "write_bytes_per_s": 1e9, "read_bytes_per_s": 1e9, "window_bytes": 1000}
+    >>> out = io.StringIO()
+    >>> worker.serve([json.dumps({"profile": profile, "budget": 10})], out)
+    >>> json.loads(out.getvalue())["floor_bytes"]
+    1000
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Iterable
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING or __package__:
+    from tierstore.planning import planner
+else:  # run by path: the planner beside this file, without the package above it
+    _spec = importlib.util.spec_from_file_location(
+        "tierstore.planning.planner",
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "planner.py"),
+    )
+    planner = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = planner  # before it runs: its dataclasses look it up
+    _spec.loader.exec_module(planner)
+
+__all__ = ["PLAN_FIELDS", "main", "plan_of", "serve"]
+
+#: The figures of a plan sent back, beside its choices (the profile stays with the caller).
+PLAN_FIELDS = (
+    "choices",
+    "window_bytes",
+    "predicted_step_s",
+    "predicted_peak_bytes",
+    "floor_bytes",
+    "exposed_s",
+)
+
+
+def plan_of(request: dict[str, Any]) -> dict[str, Any]:
+    """The plan for one request (``{"profile": fields, "budget": bytes}``), as JSON's values.
+
+    Example:
+        >>> from tierstore.planning.worker import plan_of
+        >>> save = {"nbytes": 1000, "op": "aten.mm", "module": "m", "forward_s": 0.0,
+        ...         "use_s": 0.0, "inputs": [], "made_in": []}
+        >>> profile = {"saves": [save], "forward_s": 1.0, "backward_s": 1.0, "other_s": 0.0,
+        ...            "write_bytes_per_s": 1e9, "read_bytes_per_s": 1e9, "window_bytes": 1000}
+        >>> plan_of({"profile": profile, "budget": 1 << 20})["choices"]
+        ('keep',)
+    """
+    fields = dict(request["profile"])
+    saves = tuple(
+        planner.Save(**{**save, "inputs": tuple(save["inputs"]), "made_in": tuple(save["made_in"])})
+        for save in fields.pop("saves")
+    )
+    plan = planner.make_plan(planner.Profile(saves=saves, **fields), request["budget"])
+    return {name: getattr(plan, name) for name in PLAN_FIELDS}
+
+
+def serve(lines: Iterable[str], out: IO[str]) -> None:
+    """Answer each request line with its plan's line, flushed, until ``lines`` ends.
+
+    Example:
+        >>> import io
+        >>> from tierstore.planning.worker import serve
+        >>> out = io.StringIO()
+        >>> serve([], out)  # its input closed: nothing to answer
+        >>> out.getvalue()
+        ''
+    """
+    for line in lines:
+        out.write(json.dumps(plan_of(json.loads(line))) + "\n")
+        out.flush()
+
+
+def main() -> None:
+    """The process's life: no yields, a lower priority, stdin's requests answered on stdout.
+
+    Example:
+        >>> from tierstore.planning.worker import main
+        >>> callable(main)  # run as ``python -I worker.py``; it reads stdin until it closes
+        True
+    """
+    planner.YIELD_BETWEEN_SIMULATIONS = False  # nothing else runs here
+    with contextlib.suppress(OSError):
+        os.nice(10)
+    serve(sys.stdin, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
