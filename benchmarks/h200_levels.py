@@ -13,7 +13,7 @@ that level (issue 33's), and what the plan does. A prediction, not a
 measurement: the planned steps of these runs ran within 2-5% of their
 plans' predictions where the plan moved nothing (tests/planning/test_planner.py),
 and 5-12% over where it moved saves before moved saves were priced (NOTE
-[ Pricing a moved save first ] in tierstore/planning/runner.py).
+[ Pricing a moved save first ] in tierstore/planning/recorder.py).
 
 ``--norms-from-graph`` marks the profile's LayerNorm outputs as
 rebuildable from the autograd graph, as a profile taken since LayerNorm

@@ -1070,7 +1070,7 @@ def test_a_tensor_saved_twice_takes_its_first_saves_choice() -> None:
 
 
 def test_each_moved_save_pays_its_host_time_once() -> None:
-    # NOTE [ Charging a slow step ] in planning/runner.py: on CUDA what a moved save
+    # NOTE [ Charging a slow step ] in planning/checker.py: on CUDA what a moved save
     # costs is the host's, per save; a tensor saved again moves with its first.
     saves = (
         Save(1000, "aten.mm", "a", 0.1, 1.0),

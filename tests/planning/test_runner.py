@@ -29,15 +29,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import tierstore
-from tierstore import tier_store
-from tierstore.autograd.state import local
+from tierstore.autograd import hooks
+from tierstore.autograd.filters import Kept
 from tierstore.autograd.recompute import Recipe, Recorder
+from tierstore.autograd.state import local
 from tierstore.backends import FileBackend
 from tierstore.bench.overhead import _chain as _overhead_chain
 from tierstore.config import human_bytes
 from tierstore.models import GPT, GPTConfig
+from tierstore.planning import checker as plan_checker
 from tierstore.planning import planner
+from tierstore.planning import process as plan_process
+from tierstore.planning import recorder as plan_recorder
 from tierstore.planning import runner as plans
+from tierstore.planning import timers as plan_timers
+from tierstore.planning import worker as plan_worker
+from tierstore.planning.checker import REFIT_STEPS
 from tierstore.planning.planner import (
     SYNCHRONOUS,
     Choice,
@@ -49,8 +56,7 @@ from tierstore.planning.planner import (
     replayed,
     simulate,
 )
-from tierstore.planning.runner import PLANS_KEPT, REFIT_STEPS, PlanRunner
-from tierstore.autograd.filters import Kept
+from tierstore.planning.runner import PLANS_KEPT, PlanRunner
 from tierstore.tiers import host_pool as host
 from tierstore.tiers.manager import TierManager
 from tierstore.tiers.movers import LinkClock
@@ -484,7 +490,7 @@ def _chain_at_half(
 
 
 class _PausedClock:
-    """``time`` for planning/runner.py, with pauses between steps that take no real time."""
+    """``time`` for planning/runner.py and timers.py, with pauses between steps that take none."""
 
     def __init__(self) -> None:
         self.paused = 0.0
@@ -507,6 +513,7 @@ def test_a_check_on_a_cpu_leaves_out_the_time_between_steps(
     pause = 10.0
     clock = _PausedClock()
     monkeypatch.setattr(plans, "time", clock)
+    monkeypatch.setattr(plan_timers, "time", clock)
     with caplog.at_level(logging.INFO, logger="tierstore"):
         _, _, store, step = _chain_at_half(spill_root, 20)
         with store:
@@ -542,6 +549,7 @@ def test_a_step_of_two_backwards_is_timed_to_the_end_of_the_last(
     # measured 0.01 s and had the plan rescaled to that.
     clock = _PausedClock()
     monkeypatch.setattr(plans, "time", clock)
+    monkeypatch.setattr(plan_timers, "time", clock)
     model = _overhead_chain(20, 64)
     x1, x2 = torch.randn(32, 64), torch.randn(32, 64)
     config = tierstore.TierConfig(activation_budget=0.5, disk_path=spill_root, min_offload_bytes=0)
@@ -767,7 +775,7 @@ def test_io_cpu_time_is_taken_out_of_every_compute_time_the_profile_holds() -> N
 class _Runner(PlanRunner):
     def _refit_all(self, times: tuple[float, ...]) -> str | None:
         """One check's steps: the last one's answer (the others' are None)."""
-        lines = [self._refit(t) for t in times]
+        lines = [self._checker.refit(t) for t in times]
         assert lines[:-1] == [None] * (len(times) - 1)
         return lines[-1]
 
@@ -792,10 +800,10 @@ def test_a_prediction_is_checked_at_the_first_planned_step_and_on_the_median_aft
     # cannot choose otherwise).
     runner, predicted = _checked_runner()
     assert predicted == pytest.approx(1.0)
-    assert runner._refit(0.95) is None  # the first check: within 10%
+    assert runner._checker.refit(0.95) is None  # the first check: within 10%
     # Its step is the first of the next three: median 0.8, 25% off, spread 0.31.
-    assert [runner._refit(t) for t in (0.80, 0.70)] == [None] * 2
-    assert [runner._refit(t) for t in (0.80, 0.82, 0.78)] == [None] * 3  # 25% off: once
+    assert [runner._checker.refit(t) for t in (0.80, 0.70)] == [None] * 2
+    assert [runner._checker.refit(t) for t in (0.80, 0.82, 0.78)] == [None] * 3  # 25% off: once
     line = runner._refit_all((0.80, 0.81, 0.79))  # twice in a row
     assert line is not None and line.startswith(
         "tierstore: plan rescaled for activation_budget=1.0"
@@ -806,8 +814,8 @@ def test_a_prediction_is_checked_at_the_first_planned_step_and_on_the_median_aft
 
 def test_a_check_off_once_then_within_does_nothing() -> None:
     runner, _ = _checked_runner()
-    assert runner._refit(1.0) is None
-    assert [runner._refit(t) for t in (1.0, 1.0)] == [None] * 2  # the first median: holds
+    assert runner._checker.refit(1.0) is None
+    assert [runner._checker.refit(t) for t in (1.0, 1.0)] == [None] * 2  # the first median: holds
     assert runner._refit_all((0.80, 0.81, 0.79)) is None  # off once
     assert runner._refit_all((1.0, 1.01, 0.99)) is None  # within: forgotten
     assert runner._refit_all((0.80, 0.81, 0.79)) is None  # off once again
@@ -818,14 +826,18 @@ def test_the_checks_go_on_while_the_plan_runs() -> None:
     # NOTE [ Planned steps ]: a machine that keeps getting faster is followed,
     # three steps at a time; a prediction that holds is left alone.
     runner, _ = _checked_runner()
-    assert runner._refit(1.0) is None  # the first check: as predicted
-    assert [runner._refit(t) for t in (0.95, 1.05)] == [None] * 2  # median 1.0 with it: holds
-    assert [runner._refit(t) for t in (0.95, 1.05, 0.92)] == [None] * 3  # median 0.95: holds
+    assert runner._checker.refit(1.0) is None  # the first check: as predicted
+    assert [runner._checker.refit(t) for t in (0.95, 1.05)] == [
+        None
+    ] * 2  # median 1.0 with it: holds
+    assert [runner._checker.refit(t) for t in (0.95, 1.05, 0.92)] == [
+        None
+    ] * 3  # median 0.95: holds
     assert runner.plan is not None and runner.plan.predicted_step_s == pytest.approx(1.0)
     assert runner._refit_all((0.78, 0.8, 0.8)) is None  # 25% off: once
     assert runner._refit_all((0.8, 0.8, 0.82)) is not None  # twice
     assert runner.plan.predicted_step_s == pytest.approx(0.8)
-    assert [runner._refit(t) for t in (0.75, 0.85, 0.8)] == [None] * 3  # holds again
+    assert [runner._checker.refit(t) for t in (0.75, 0.85, 0.8)] == [None] * 3  # holds again
     assert runner.plan.predicted_step_s == pytest.approx(0.8)
 
 
@@ -843,9 +855,9 @@ def test_a_dearer_link_replans_off_the_training_thread(cuda: bool) -> None:
     assert plan.bytes_by_choice()["offload"] > 0
     runner._use((4096,) * 3, plan)
     slow = 3 * plan.predicted_step_s
-    assert runner._refit(slow) is None  # far off: acted on at once, but off the thread
-    assert runner.plan is plan and runner._remaking is not None
-    runner._remaking.join(timeout=30)
+    assert runner._checker.refit(slow) is None  # far off: acted on at once, but off the thread
+    assert runner.plan is plan and runner._checker._remaking is not None
+    runner._checker._remaking.join(timeout=30)
     line = runner.step_ended(0)  # no step under way: only the switch
     assert line is not None and line.startswith("tierstore: plan remade")
     assert runner.plan is not plan
@@ -880,7 +892,7 @@ def _two_blocks_planned(
 
 def _remade_slower(runner: PlanRunner, plan: Plan, late: float) -> Plan:
     """The plan ``runner`` remakes after a first step ``late`` seconds slower than ``plan``'s."""
-    line = runner._refit(plan.predicted_step_s + late)  # far off: at once
+    line = runner._checker.refit(plan.predicted_step_s + late)  # far off: at once
     assert line is not None and line.startswith("tierstore: plan remade")
     remade = runner.plan
     assert remade is not None and remade is not plan
@@ -899,7 +911,9 @@ def test_a_step_slower_than_predicted_charges_its_op_by_op_rebuilds() -> None:
     assert remade.profile.recorded_rebuild_s == pytest.approx(0.1)
     assert recorded_rebuilds(remade.profile, remade.choices) == 0
     assert replayed(remade.profile, remade.choices)
-    assert runner._recorded_rebuild_s == pytest.approx(0.1)  # the next profile starts there
+    assert runner._recorder.recorded_rebuild_s == pytest.approx(
+        0.1
+    )  # the next profile starts there
     # A plan that neither moves nor records, slower, is rescaled: nothing to charge.
     kept = make_plan(profile, 1 << 20)
     assert kept.choices == ("keep",) * 6
@@ -907,7 +921,7 @@ def test_a_step_slower_than_predicted_charges_its_op_by_op_rebuilds() -> None:
         tierstore.TierConfig(activation_budget=0.5), LinkClock(), LinkClock(), lambda: 0.0
     )
     fresh._use((4096,) * 6, kept)
-    line = fresh._refit(kept.predicted_step_s + 0.2)
+    line = fresh._checker.refit(kept.predicted_step_s + 0.2)
     assert line is not None and line.startswith("tierstore: plan rescaled")
 
 
@@ -931,13 +945,13 @@ def test_a_slow_step_that_moves_and_records_charges_the_recorder_alone_on_cuda(
 
 def test_a_first_planned_step_far_off_is_corrected_at_once_then_checked_again() -> None:
     runner, _ = _checked_runner()
-    assert runner._refit(0.5) is not None  # the first check: 50% off
+    assert runner._checker.refit(0.5) is not None  # the first check: 50% off
     assert runner.plan is not None and runner.plan.predicted_step_s == pytest.approx(0.5)
     # The remade plan gets the median check only: one step off does nothing.
-    assert runner._refit(0.7) is None
-    assert runner._refit(0.5) is None
-    assert runner._refit(0.5) is None  # median 0.5: as predicted
-    assert runner._refit(0.9) is None  # one step of the next three
+    assert runner._checker.refit(0.7) is None
+    assert runner._checker.refit(0.5) is None
+    assert runner._checker.refit(0.5) is None  # median 0.5: as predicted
+    assert runner._checker.refit(0.9) is None  # one step of the next three
     assert runner.plan.predicted_step_s == pytest.approx(0.5)
 
 
@@ -946,13 +960,13 @@ def test_a_stalled_first_planned_step_is_judged_by_the_next_one() -> None:
     # the plan's cost; the step after it is checked alone and holds.
     runner, predicted = _checked_runner()
     plan = runner.plan
-    assert runner._refit(50 * predicted) is None and runner.plan is plan
-    assert runner._refit(1.02 * predicted) is None and runner.plan is plan
-    assert runner._moved_s_per_save == 0.0
+    assert runner._checker.refit(50 * predicted) is None and runner.plan is plan
+    assert runner._checker.refit(1.02 * predicted) is None and runner.plan is plan
+    assert runner._recorder.moved_s_per_save == 0.0
     # Stalled twice in a row: the plan's own cost, corrected at once.
     runner, predicted = _checked_runner()
-    assert runner._refit(50 * predicted) is None
-    assert runner._refit(50 * predicted) is not None
+    assert runner._checker.refit(50 * predicted) is None
+    assert runner._checker.refit(50 * predicted) is not None
     assert runner.plan is not None and runner.plan.predicted_step_s == pytest.approx(50 * predicted)
 
 
@@ -1073,8 +1087,8 @@ def test_a_planned_step_records_only_inside_the_modules_it_rebuilds_in(
     x = torch.randn(32, 64)
     # The first plan, whatever the steps measure: a slow one would be remade
     # without its op-by-op rebuilds (NOTE [ Replayed modules ] in planning/planner.py).
-    monkeypatch.setattr(plans, "FAR_OFF", math.inf)
-    monkeypatch.setattr(plans, "REFIT_TOLERANCE", math.inf)
+    monkeypatch.setattr(plan_checker, "FAR_OFF", math.inf)
+    monkeypatch.setattr(plan_checker, "REFIT_TOLERANCE", math.inf)
     store = tierstore.TierStore(
         tierstore.TierConfig(activation_budget=0.5, min_offload_bytes=0, disk_path=spill_root)
     )
@@ -1082,7 +1096,7 @@ def test_a_planned_step_records_only_inside_the_modules_it_rebuilds_in(
     # And one that rebuilds op by op, whatever the planner would choose: a
     # plan whose rebuilds the graph makes all (GELU's outputs) records nothing
     # (NOTE [ Rebuilt from the graph ]). The first three Linears' outputs.
-    planned = plans.make_plan
+    planned = plan_checker.make_plan
 
     def linears_rebuilt(profile: Profile, budget: int) -> Plan:
         first = [i for i, save in enumerate(profile.saves) if save.op == "aten.addmm"][:3]
@@ -1091,7 +1105,7 @@ def test_a_planned_step_records_only_inside_the_modules_it_rebuilds_in(
         ]
         return replace(planned(profile, budget), choices=tuple(choices))
 
-    monkeypatch.setattr(plans, "make_plan", linears_rebuilt)
+    monkeypatch.setattr(plan_checker, "make_plan", linears_rebuilt)
 
     def grads(use: tierstore.TierStore | None) -> list[torch.Tensor]:
         with store.offload() if use is not None else contextlib.nullcontext():
@@ -1166,15 +1180,15 @@ def test_a_device_profile_times_the_models_ops_not_the_stores(
         def elapsed_time(self, end: HostEvent) -> float:
             return (end.t - self.t) * 1e3
 
-    timers: list[plans.BusyTimer] = []
+    timers: list[plan_timers.BusyTimer] = []
 
-    class OnDevice(plans.BusyTimer):
+    class OnDevice(plan_timers.BusyTimer):
         def __init__(self, *args: Any) -> None:
             super().__init__(*args)
             self.device = True
             timers.append(self)
 
-    monkeypatch.setattr(plans, "BusyTimer", OnDevice)
+    monkeypatch.setattr(plan_recorder, "BusyTimer", OnDevice)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())
                                   for _ in range(4)])  # fmt: skip
@@ -1200,7 +1214,7 @@ def test_a_device_profile_times_the_models_ops_not_the_stores(
     runner = store._runner
     assert runner is not None
     runner.background = False
-    runner._events = lambda: HostEvent
+    runner._recorder._events = lambda: HostEvent
     for _ in range(2):  # warm-up, then the profile
         with store.offload():
             loss = model(x)
@@ -1268,7 +1282,7 @@ def test_a_device_profile_keeps_a_dry_stream_busy_before_an_op() -> None:
         def keep_busy() -> None:
             spins.append(device.now)
 
-    timer = plans.BusyTimer(lambda: 0.0, Events())
+    timer = plan_timers.BusyTimer(lambda: 0.0, Events())
     timer.begin()  # nothing queued yet: a spin
     timer.end()
     device.idle = False
@@ -1306,7 +1320,7 @@ def test_a_remade_plan_shows_the_last_measurement_until_its_own() -> None:
         step()
     first = runner.plan
     assert first is not None and first.measured_step_s is not None
-    runner._make(first.profile, "remade")
+    runner._checker.make(first.profile, "remade")
     remade = runner.plan
     assert remade is not None and remade is not first
     assert remade.measured_step_s == first.measured_step_s and remade.measured_before
@@ -1330,10 +1344,10 @@ def test_a_step_is_counted_to_the_plan_it_ran_on_not_one_adopted_at_its_end() ->
             step()
         first = runner.plan
         assert first is not None and first.steps == 1
-        runner._make(first.profile, "remade")
-        assert runner._remaking is not None
-        runner._remaking.join(60)
-        assert runner._remade is not None and runner.plan is first  # ready, not yet adopted
+        runner._checker.make(first.profile, "remade")
+        assert runner._checker._remaking is not None
+        runner._checker._remaking.join(60)
+        assert runner._checker.remade is not None and runner.plan is first  # ready, not yet adopted
         line = step()
         assert line is not None and "remade" in line
         remade = runner.plan
@@ -1464,16 +1478,16 @@ def test_the_first_plan_is_made_off_the_thread_while_steps_go_on(
     monkeypatch.setattr(PlanRunner, "first_plan_at_once", False)
     release = threading.Event()
     searched = threading.Event()
-    real = plans.PlanningProcess.plan
-    workers: list[plans.PlanningProcess] = []
+    real = plan_process.PlanningProcess.plan
+    workers: list[plan_process.PlanningProcess] = []
 
-    def held(self: plans.PlanningProcess, profile: Profile, budget: int) -> Plan:
+    def held(self: plan_process.PlanningProcess, profile: Profile, budget: int) -> Plan:
         workers.append(self)
         searched.set()
         assert release.wait(60)
         return real(self, profile, budget)  # made in the planning process
 
-    monkeypatch.setattr(plans.PlanningProcess, "plan", held)
+    monkeypatch.setattr(plan_process.PlanningProcess, "plan", held)
     store = budget_store(0.3)
     runner = store._runner
     assert runner is not None
@@ -1487,7 +1501,7 @@ def test_the_first_plan_is_made_off_the_thread_while_steps_go_on(
             assert searched.is_set() and store.plan() is None  # steps 2-3 ran on meanwhile
     assert recorded[2:] == [False, False, False]  # waiting: no profile, no recorder
     release.set()
-    runner._remaking.join(60)  # type: ignore[union-attr]
+    runner._checker._remaking.join(60)  # type: ignore[union-attr]
     for step in range(5, 7):
         with store.offload():
             grads.append(_step(model, step))
@@ -1513,7 +1527,7 @@ def test_a_runner_that_waits_for_plans_waits_for_the_planning_process(
     def not_here(profile: Profile, budget: int) -> Plan:
         raise AssertionError("a plan searched in the training process")
 
-    monkeypatch.setattr(plans, "make_plan", not_here)
+    monkeypatch.setattr(plan_checker, "make_plan", not_here)
     store = budget_store(0.3)
     runner = store._runner
     assert runner is not None
@@ -1528,7 +1542,7 @@ def test_a_runner_that_waits_for_plans_waits_for_the_planning_process(
             seen.append(store.plan())
     assert seen[0] is not None  # the third step had it
     assert any(plan is not None and plan.steps >= 1 for plan in seen)
-    assert runner._remaking is None  # no thread: the steps waited for the process
+    assert runner._checker._remaking is None  # no thread: the steps waited for the process
     _same(grads, _run(None, 5))
 
 
@@ -1549,7 +1563,7 @@ def test_the_planning_process_makes_the_plan_this_process_would() -> None:
         for i in range(12)
     )
     profile = Profile(saves, 0.12, 0.24, 0.01, 2e8, 3e8, 2 << 20, fixed_bytes=4096)
-    worker = plans.PlanningProcess()
+    worker = plan_process.PlanningProcess()
     try:
         for budget in (0, 3 << 20, 6 << 20, 64 << 20):
             here, there = make_plan(profile, budget), worker.plan(profile, budget)
@@ -1566,7 +1580,7 @@ def test_a_planning_process_that_ended_is_replaced_and_none_is_left_open() -> No
     # One that died mid-run is replaced, its pipes closed; one nobody closed
     # ends with its worker (CI's "unclosed file" warnings came from these).
     profile = Profile((Save(1000, "aten.mm", "m", 0.0, 0.0),), 1.0, 1.0, 0.0, 1e9, 1e9, 1000)
-    worker = plans.PlanningProcess()
+    worker = plan_process.PlanningProcess()
     assert worker.plan(profile, 10).floor_bytes == 1000
     first = worker._process
     assert first is not None and first.stdin is not None and first.stdout is not None
@@ -1597,7 +1611,29 @@ def test_a_search_yields_between_simulations_only_beside_the_training_thread(
     saves = tuple(Save(1 << 20, "aten.mm", f"m.{i}", 0.01 * i, 0.01 * (4 - i)) for i in range(4))
     make_plan(Profile(saves, 0.04, 0.08, 0.0, 2e8, 3e8, 2 << 20), 2 << 20)
     assert bool(calls) is yields
-    assert "planner.YIELD_BETWEEN_SIMULATIONS = False" in plans._WORKER
+    assert "planner.YIELD_BETWEEN_SIMULATIONS = False" in Path(plan_worker.__file__).read_text()
+
+
+def test_the_planning_worker_imports_neither_torch_nor_the_package() -> None:
+    # NOTE [ Planning off the training thread ] in planning/checker.py: the
+    # planning process runs worker.py by its path, as PlanningProcess does,
+    # so that a start costs an interpreter and the planner: not torch, and
+    # not the package's __init__, which imports it.
+    script = """if True:
+        import runpy, sys
+        runpy.run_path(sys.argv[1], run_name="__main__")  # its input closed: no request
+        print("torch" in sys.modules, "tierstore" in sys.modules)
+        print("tierstore.planning.planner" in sys.modules)
+    """
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", script, plan_process.WORKER],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert out.stdout.split() == ["False", "False", "True"]
 
 
 def _planning_with(
@@ -1609,7 +1645,7 @@ def _planning_with(
     )
     assert store._runner is not None
     store._runner.background = False
-    monkeypatch.setattr(plans, "make_plan", make)
+    monkeypatch.setattr(plan_checker, "make_plan", make)
     return store
 
 
@@ -1936,7 +1972,7 @@ def test_a_checkpointed_block_under_offload_module_nests_inside_the_blocks_hooks
     # offload_module opens the store's block in each module's forward
     # pre-hook and closes it in its forward hook; the checkpoint of a
     # replayed module must end before (NOTE [ Replayed modules ] in planning/planner.py).
-    monkeypatch.setattr(plans, "make_plan", _checkpointing_blocks(("blocks.0", "blocks.2")))
+    monkeypatch.setattr(plan_checker, "make_plan", _checkpointing_blocks(("blocks.0", "blocks.2")))
     store = tierstore.TierStore(
         tierstore.TierConfig(activation_budget=0.5, min_offload_bytes=0, disk_path=spill_root)
     )
@@ -2043,7 +2079,7 @@ def test_a_device_profile_prices_the_recorder_and_a_moved_save_from_the_host_tim
     assert profile.recorded_rebuild_s == pytest.approx((host - busy) / 4, abs=1e-3)
     assert profile.moved_s_per_save == pytest.approx(0.0004)
     runner.moved(1.0, True)  # outside a profiled step: not counted
-    assert runner._moved_s_per_save == pytest.approx(0.0004)
+    assert runner._recorder.moved_s_per_save == pytest.approx(0.0004)
 
 
 def test_a_planned_backward_reads_ahead_by_its_plans_window(
@@ -2080,7 +2116,7 @@ def test_a_profile_a_plan_may_checkpoint_imports_what_checkpoint_needs_then() ->
     script = """if True:
         import sys
         from tierstore.planning.planner import Profile, Save
-        from tierstore.planning.runner import _ready_to_checkpoint
+        from tierstore.planning.recorder import _ready_to_checkpoint
         lone = tuple(Save(10, "aten.mm", m, 0.0, 0.0, 0.1) for m in "ab")
         _ready_to_checkpoint(Profile(lone, 1.0, 1.0, 0.0, 1e9, 1e9, 10))
         print("torch._dynamo" in sys.modules)
@@ -2115,6 +2151,6 @@ def test_a_profiled_move_tells_the_runner_its_host_time_less_the_stores_waits() 
         runner.waited += 0.03
         return x + 1
 
-    assert tier_store._moving(runner, True, put, 1) == 2
+    assert hooks._moving(runner, True, put, 1) == 2
     assert len(told) == 1 and told[0][1] is True
     assert 0.02 <= told[0][0] < 0.02 + 0.03  # the sleep's 50 ms, less the 30 waited

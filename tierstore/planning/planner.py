@@ -379,7 +379,7 @@ class Profile:
         moved_s_per_save: host time each offloaded save costs the step, its
             trip through the store out and back (on CUDA, where the copies
             are timed on their own streams: NOTE [ Charging a slow step ]
-            in tierstore/planning/runner.py); 0 until a planned step measured it.
+            in tierstore/planning/checker.py); 0 until a planned step measured it.
         fixed_bytes: saved bytes that stay whatever the plan (kept tensors,
             saves under ``min_offload_bytes``): counted in every peak.
         shared_link: one link both ways (a disk: reads queue behind writes),
@@ -430,7 +430,7 @@ class Profile:
 
     @cached_property
     def root_spans(self) -> tuple[tuple[str, int, int], ...]:
-        """:attr:`spans` by each save's outermost module (NOTE [ Modules kept whole ], tier_store.py)."""
+        """:attr:`spans` by outermost module (NOTE [ Modules kept whole ] in tier_store.py)."""
         return self._spans_of(tuple(save.root for save in self.saves))
 
     def _spans_of(self, modules: tuple[str, ...]) -> tuple[tuple[str, int, int], ...]:
@@ -600,7 +600,7 @@ class Plan:
 
 #: Whether each simulation first lets other threads of the process run: where
 #: a search runs beside the training thread (NOTE [ Planning off the training
-#: thread ] in planning/runner.py). The planning process, which runs nothing else, sets
+#: thread ] in planning/checker.py). The planning process, which runs nothing else, sets
 #: it to False: on a busy machine each yield also gave its core away.
 YIELD_BETWEEN_SIMULATIONS = True
 

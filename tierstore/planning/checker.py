@@ -1,0 +1,487 @@
+"""The checker: a plan's prediction against each step's measurement, and the corrections.
+
+:class:`PlanChecker` makes the runner's plans (at once, or off the training
+thread in the planning process), checks each planned step's time and peak
+against the plan's prediction, and refits: charges a slow step's excess to
+what the profile could not price and remakes the plan, or rescales the
+prediction (NOTE [ Planned steps ] in planning/runner.py).
+
+Example:
+    >>> from tierstore.planning.checker import budget_bytes
+    >>> budget_bytes(0.25, saved_bytes=4000), budget_bytes(1000, saved_bytes=4000)
+    (1000, 1000)
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from tierstore.config import ENV_PREFIX, human_bytes
+from tierstore.planning.planner import (
+    Plan,
+    Profile,
+    fits_everything,
+    make_plan,
+    offloaded_saves,
+    recorded_rebuilds,
+    simulate,
+)
+from tierstore.planning.process import PlanningProcess
+from tierstore.planning.recorder import _scaled_save
+
+if TYPE_CHECKING:
+    from tierstore.planning.runner import PlanRunner
+
+__all__ = ["FAR_OFF", "REFIT_STEPS", "REFIT_TOLERANCE", "STALLED", "PlanChecker", "budget_bytes"]
+
+# NOTE [ Charging a slow step ]
+# A slow step's excess goes to what the profile could not price. On a CPU
+# both the moved bytes (copies and checksums on the step's own cores) and
+# the op-by-op rebuilds (the recorder's Python) may be it, and each is
+# charged in full, so the remade plan does without both at once. On CUDA
+# the copies run on their own streams, each timed with events, and what no
+# profile sees is the host: the recorder runs Python on every op of the
+# modules it records in, while the GPU runs each op in microseconds, so a
+# plan that rebuilds op by op leaves the compute stream waiting for the
+# host to launch the next kernel, not for a copy (benchmarks/gpu_trace.py
+# shows where a step's stream waits). Charging the moved bytes as well
+# would take every offload out of the remade plans. So there a plan that
+# replays op by op charges its excess to that alone, and the moved saves
+# pay only once a plan that records nothing runs slow: per save, not per
+# byte (Profile.moved_s_per_save): the host's time around a moved save is
+# the same for SDPA's small statistics as for a large activation, and a
+# price per byte makes the small ones look free. benchmarks/gpu_host.py
+# times a moved save's host cost alone.
+
+# NOTE [ A peak above the budget ]
+# A planned step's peak is checked as its time is. One above the budget (and
+# the prediction) by more than REFIT_TOLERANCE, and by more than the largest
+# save (which one copy's timing can move), means the step holds bytes the
+# profile did not see. A fraction of 1.0 or more asks for all the step saves:
+# its peak is not held to anything. Where they came from a torch.compile'd region, no plan
+# can help: a compiled graph runs its whole forward before it hands autograd
+# its saves (the pack hooks run as the region ends), so the region holds all
+# of them at once whatever is done with them after. The profile notes those
+# saves (the stack shows the compiled function's runtime; tier_store.py). The
+# plan is remade once with the excess counted as bytes that stay
+# (fixed_bytes) against the same budget in bytes: a link slower than the
+# profile's, say, kept more copies in flight. A peak still above the budget
+# under the remade plan warns once, with the cause and the fixes: for a
+# whole compiled model, compile per block, whose saves come back a block at
+# a time, or PyTorch's own activation_memory_budget for the compiled region;
+# for compiled blocks, room for one block's saves at once.
+
+# NOTE [ Planning off the training thread ]
+# make_plan searches: each move it weighs is a simulation of the whole step,
+# seconds for a step of hundreds of saves. A step must never wait for that.
+# A plan that keeps everything needs no search (nothing is faster than
+# keeping), so it is made at once, where the profile ends. Any other plan,
+# the first of a shape of step as well as a remade one, is made in a process
+# of its own (PlanningProcess in planning/process.py, which runs
+# planning/worker.py: the planner module alone, the profile in and the plan
+# out as JSON, at a lower priority) while the steps go on: under the plan
+# they have, or, before the first, on the safe placement (NOTE [ Planned
+# steps ] in planning/runner.py) without the profile's recording and
+# timing; the runner switches to the new plan at the first step boundary
+# after it is ready. Not a thread: a search holds the interpreter lock for
+# milliseconds at a time, and the training thread, which gives the lock up
+# around every torch op, waits up to the switch interval (5 ms) to get it
+# back after each one, so its steps run several times slower beside a
+# planning thread than beside the process. A thread of the store's waits on
+# the process's pipe, which holds no lock; where no process can be started,
+# it plans itself, giving the lock up between simulations (time.sleep(0)).
+# The process does not: it runs nothing else, and on a busy machine each
+# yield gives its core to the training process and puts the first plan off
+# by steps. A check that finds the
+# prediction off re-plans only when the choices could change: a step slower
+# than predicted because the moved bytes cost more than the profile said
+# (moved_s_per_byte) reweighs offload against rebuild; a step faster or
+# slower by its compute alone, or a plan that moves nothing, only rescales
+# the prediction (one simulation of the same choices, on the training thread,
+# between steps). And a check acts only when the step is off by more than
+# the tolerance *and* by more than the spread of the steps it judged, twice
+# in a row (at once if off by FAR_OFF): a machine whose steps jitter by 15%
+# does not re-plan on jitter.
+# The thread is a daemon that holds nothing but numbers; close() drops its
+# result and ends the process, which also ends when its input closes (the
+# store's process gone). Tests pass background=False to make plans where the
+# check runs, or set first_plan_at_once to count steps to the first plan.
+
+# NOTE [ A stalled first step ]
+# The first planned step of a shape is checked alone, and a check far off
+# acts at once (NOTE [ Planned steps ] in planning/runner.py): the excess is
+# charged to what the plan moves or records. But a first step can stall on
+# what no plan chose: an import (NOTE [ Checkpoint's first call ] in
+# planning/recorder.py), the allocator's first segments of a new pattern.
+# Charged to the plan, a stall of seconds against a prediction of
+# milliseconds prices each moved save so dear that no later plan of that
+# budget offloads. So a first planned step at STALLED times its prediction
+# or more is not judged; the step after it is, alone, as the first would
+# have been; a plan slow on both is charged as before.
+
+#: How far a prediction may be off before the plan is made again.
+REFIT_TOLERANCE = 0.10
+#: How far off a check acts on at once, without waiting for the next to agree.
+FAR_OFF = 0.5
+#: A first planned step this many times its prediction or more stalled on something
+#: else: it is checked again on the next step (NOTE [ A stalled first step ]).
+STALLED = 5.0
+#: The planned steps whose median each check after the first compares with the prediction.
+REFIT_STEPS = 3
+
+
+def budget_bytes(budget: int | float, saved_bytes: int) -> int:
+    """The budget in bytes: a size as it is, a fraction of the bytes the step saves.
+
+    Example:
+        >>> from tierstore.planning.checker import budget_bytes
+        >>> budget_bytes(0.5, saved_bytes=4000)
+        2000
+    """
+    if isinstance(budget, float):
+        return int(budget * saved_bytes)
+    return int(budget)
+
+
+@dataclass
+class _Checks:
+    """A shape's checks of its plan's prediction so far (NOTE [ Planned steps ] in runner.py)."""
+
+    times: list[float] = field(default_factory=list)  # steps since the last check
+    checked: bool = False  # the first planned step was checked alone
+    stalled: bool = False  # the first planned step stalled: the next was checked alone
+    off: float = 0.0  # how far the last check found the prediction off, if it let it be
+    peak_remade_from: Plan | None = None  # a peak above the budget remade this plan, once
+
+
+class PlanChecker:
+    """Makes a runner's plans and checks them against its steps.
+
+    NOTE [ Planned steps ] in planning/runner.py says when.
+
+    It reads the runner's plan under way and the sizes of its saves, puts
+    the plans it makes in use through the runner, and appends the warnings
+    it has for the user to the runner's ``warnings``.
+
+    Example:
+        >>> from tierstore import TierConfig
+        >>> from tierstore.planning.runner import PlanRunner
+        >>> from tierstore.tiers.movers import LinkClock
+        >>> runner = PlanRunner(TierConfig(activation_budget=0.5), LinkClock(), LinkClock(),
+        ...                     lambda: 0.0)
+        >>> runner._checker.making()  # no plan on its way
+        False
+    """
+
+    def __init__(self, runner: PlanRunner) -> None:
+        self._runner = runner
+        self._remaking: threading.Thread | None = None
+        self._planning: PlanningProcess | None = None  # NOTE [ Planning off the training thread ]
+        #: A plan made off the thread, ready for the runner: (its sizes, the plan, its INFO line).
+        self.remade: tuple[tuple[int, ...], Plan, str] | None = None
+        self._closed = False
+        self._checks: dict[
+            tuple[int, ...], _Checks
+        ] = {}  # NOTE [ Planned steps ] in planning/runner.py
+        self._warned = False
+        self._peak_warned = False
+        # Bytes compiled regions handed over, by shape (NOTE [ A peak above the budget ]).
+        self._compiled: dict[tuple[int, ...], tuple[int, int]] = {}
+
+    def making(self) -> bool:
+        """Whether a plan is being made off the training thread."""
+        return self._remaking is not None and self._remaking.is_alive()
+
+    def forget(self, expected: tuple[int, ...]) -> None:
+        """The shape of ``expected`` fell out of the runner's kept plans."""
+        self._checks.pop(expected, None)
+
+    def profiled(
+        self, profile: Profile, expected: tuple[int, ...], compiled: tuple[int, int]
+    ) -> str | None:
+        """A new profile of the shape ``expected``: its plan, checked afresh; its INFO line.
+
+        ``compiled``: the bytes compiled regions handed over, and how many modules.
+        """
+        self._checks.pop(expected, None)  # a new profile: its plan is checked afresh
+        self._compiled[expected] = compiled
+        return self.make(profile, "made", expected=expected)
+
+    def ended(self, measured: float, peak_bytes: int) -> str | None:
+        """A step on the runner's plan measured ``measured`` seconds and ``peak_bytes``."""
+        plan = self._runner.plan
+        line = self.refit(measured)
+        if self._runner.plan is plan:  # not remade for its time: its peak is checked too
+            line = self.check_peak(peak_bytes) or line
+        return line
+
+    def close(self) -> None:
+        """Drop a plan still being made and end the planning process. Idempotent.
+
+        NOTE [ Planning off the training thread ].
+        """
+        self._closed = True
+        self.remade = None
+        planning, self._planning = self._planning, None
+        if planning is not None:
+            planning.close()
+
+    def _process(self) -> PlanningProcess:
+        """The planning process, created on first use."""
+        if self._planning is None:
+            self._planning = PlanningProcess()
+        return self._planning
+
+    def make(
+        self,
+        profile: Profile,
+        verb: str,
+        budget: int | None = None,
+        expected: tuple[int, ...] | None = None,
+    ) -> str | None:
+        """A plan for ``profile`` (NOTE [ Planning off the training thread ]): its INFO line.
+
+        At once where everything fits (no search) or without a background
+        thread; otherwise off the thread, the steps going on meanwhile
+        (``None``: the line comes when the plan is adopted). ``expected``:
+        the sizes of the profile's saves, where not the plan's under way.
+        """
+        if budget is None:
+            budget = budget_bytes(self._runner.budget, profile.saved_bytes)
+        if expected is None:
+            expected = self._runner._expected
+        elsewhere = (
+            self._runner.wait_for_plans and self._runner.background
+        )  # the process, waited for
+        at_once = not self._runner.background or (
+            verb == "made" and self._runner.first_plan_at_once
+        )
+        fits = fits_everything(profile, budget)
+        if elsewhere or at_once or fits:
+            if elsewhere and not fits:
+                plan = self._plan_in_process(profile, budget)
+            else:
+                plan = make_plan(profile, budget)  # no search, or one here
+            self._runner._use(expected, plan)
+            return self._made(plan, verb)
+        if self._remaking is not None and self._remaking.is_alive():
+            return None  # one at a time: the check after it judges the new plan
+
+        def in_process() -> None:
+            try:
+                plan = self._plan_in_process(profile, budget)
+            except (OSError, RuntimeError, ValueError):
+                return  # closed meanwhile: the process with it
+            if not self._closed:
+                self.remade = (expected, plan, self._made(plan, verb))
+
+        self._remaking = threading.Thread(target=in_process, name="tierstore-plan", daemon=True)
+        self._remaking.start()
+        return None
+
+    def _plan_in_process(self, profile: Profile, budget: int) -> Plan:
+        """``make_plan`` in the planning process; in this thread where none can be had.
+
+        Raises what the process raised once the runner is closed.
+        """
+        try:
+            return self._process().plan(profile, budget)
+        except (OSError, RuntimeError, ValueError):
+            if self._closed:
+                raise
+            return make_plan(profile, budget)
+
+    def remake(self, profile: Profile, budget: int | None = None) -> str | None:
+        """Make the plan again (NOTE [ Planning off the training thread ])."""
+        return self.make(profile, "remade", budget)
+
+    def check_peak(self, peak: int) -> str | None:
+        """NOTE [ A peak above the budget ]: re-plan once, then warn once."""
+        plan = self._runner.plan
+        assert plan is not None
+        if isinstance(self._runner.budget, float) and self._runner.budget >= 1.0:
+            return None  # all the step saves: nothing to hold it to
+        checks = self._checks.setdefault(self._runner._expected, _Checks())
+        # Past a plan that predicted more than the budget (the floor's warning
+        # says so) only until one was remade for it; then past the budget.
+        allowed = plan.budget_bytes
+        if checks.peak_remade_from is None:
+            allowed = max(allowed, plan.predicted_peak_bytes)
+        largest = max((save.nbytes for save in plan.profile.saves), default=0)
+        if peak <= allowed + max(REFIT_TOLERANCE * allowed, largest):
+            return None  # within what one save, in flight or not, can move it
+        compiled, regions = self._compiled.get(self._runner._expected, (0, 0))
+        if checks.peak_remade_from is None:
+            checks.peak_remade_from = plan
+            unseen = peak - plan.predicted_peak_bytes
+            profile = replace(plan.profile, fixed_bytes=plan.profile.fixed_bytes + unseen)
+            return self.remake(profile, plan.budget_bytes)
+        if plan is checks.peak_remade_from:
+            return None  # the plan remade for it is not in use yet
+        if not self._peak_warned:
+            self._peak_warned = True
+            head = (
+                f"tierstore: the step's peak, measured {human_bytes(peak)}, is above "
+                f"activation_budget={self._runner.budget!r} ({human_bytes(plan.budget_bytes)}): "
+            )
+            if compiled and regions > 1:
+                cause = (
+                    f"{human_bytes(compiled)} of its saves came from torch.compile'd regions, "
+                    "each of which hands its saves over together as it ends, so the budget "
+                    "needs room for a whole region's saves at once. Compile smaller regions, "
+                    f"or raise activation_budget ({ENV_PREFIX}ACTIVATION_BUDGET)"
+                )
+            elif compiled:
+                cause = (
+                    f"{human_bytes(compiled)} of its saves came from a torch.compile'd region, "
+                    "which hands them over only as it ends, after its forward has held them "
+                    "all, so no plan can bring that region under the budget. Compile each "
+                    "block instead of the whole model (block.compile() for each block: "
+                    "tierstore then places each block's saves as it ends), or give the "
+                    "compiled region PyTorch's own budget "
+                    "(torch._functorch.config.activation_memory_budget)"
+                )
+            else:
+                cause = (
+                    f"the plan predicted {human_bytes(plan.predicted_peak_bytes)}, and remade "
+                    "once counting the excess it still does not hold. A link slower than the "
+                    "profile's keeps more copies in flight, or the step holds tensors tierstore "
+                    "does not place. Lower activation_budget "
+                    f"({ENV_PREFIX}ACTIVATION_BUDGET) by the difference"
+                )
+            self._runner.warnings.append(head + cause)
+        return None
+
+    def _rescaled(self, profile: Profile) -> str | None:
+        """The plan under way with its prediction made on ``profile``: the same choices."""
+        plan = self._runner.plan
+        assert plan is not None
+        outcome = simulate(profile, plan.choices, plan.window_bytes)
+        if plan.fits and outcome.peak_bytes > plan.budget_bytes:
+            # On the new times the choices no longer fit: search again.
+            return self.remake(profile, plan.budget_bytes)
+        plan.profile = profile
+        plan.predicted_step_s = outcome.step_s
+        plan.predicted_peak_bytes = outcome.peak_bytes
+        plan.exposed_s = outcome.exposed_s
+        return self._made(plan, "rescaled")
+
+    def _made(self, plan: Plan, verb: str) -> str:
+        """The INFO line of a plan made; the floor warning is set for the caller, once."""
+        budget, profile, asked = plan.budget_bytes, plan.profile, self._runner.budget
+        if not plan.fits and not self._warned:
+            self._warned = True
+            peak = plan.predicted_peak_bytes
+            if plan.floor_bytes > budget:
+                self._runner.warnings.append(
+                    f"tierstore: activation_budget={asked!r} ({human_bytes(budget)}) is "
+                    f"below the lowest this step can reach, {plan.floor_bytes} bytes "
+                    f"({human_bytes(plan.floor_bytes)}); the step runs at {human_bytes(peak)}. "
+                    f"Raise activation_budget ({ENV_PREFIX}ACTIVATION_BUDGET) to at least "
+                    f"{plan.floor_bytes}"
+                )
+            else:  # NOTE [ The floor ] in planning/planner.py
+                self._runner.warnings.append(
+                    f"tierstore: no plan found meets activation_budget={asked!r} "
+                    f"({human_bytes(budget)}), though the step's floor is "
+                    f"{human_bytes(plan.floor_bytes)}; the closest runs at {human_bytes(peak)}. "
+                    f"Raise activation_budget ({ENV_PREFIX}ACTIVATION_BUDGET) to at least {peak}"
+                )
+        by = plan.bytes_by_choice()
+        return (
+            f"tierstore: plan {verb} for activation_budget={asked!r} "
+            f"({human_bytes(budget)} of {human_bytes(profile.saved_bytes)} saved): "
+            f"keep {human_bytes(by['keep'])}, offload {human_bytes(by['offload'])}, "
+            f"rebuild {human_bytes(by['rebuild'])}; predicted step "
+            f"{plan.predicted_step_s:.3f} s, peak {human_bytes(plan.predicted_peak_bytes)}"
+        )
+
+    def refit(self, measured: float) -> str | None:
+        """The checks of a plan's prediction, and the corrections.
+
+        NOTE [ Planned steps ] in planning/runner.py says when a check runs.
+
+        NOTE [ Planning off the training thread ]: a check acts on a step
+        off by more than the tolerance and the spread of what it judged, the
+        second time in a row; only a dearer link re-plans.
+        """
+        plan = self._runner.plan
+        assert plan is not None
+        checks = self._checks.setdefault(self._runner._expected, _Checks())
+        if measured <= 0:
+            return None
+        checks.times.append(measured)
+        if len(checks.times) == 1 and not checks.checked:
+            if measured >= STALLED * plan.predicted_step_s and not checks.stalled:
+                checks.stalled = True  # NOTE [ A stalled first step ]: the next one, once
+                checks.times.clear()
+                return None
+            checks.checked = True
+            basis, spread = measured, 0.0
+        elif len(checks.times) == REFIT_STEPS:
+            basis = statistics.median(checks.times)
+            spread = (max(checks.times) - min(checks.times)) / basis
+            checks.times.clear()
+        else:
+            return None
+        off = (basis - plan.predicted_step_s) / basis
+        if abs(off) <= max(REFIT_TOLERANCE, spread):
+            checks.off = 0.0
+            return None
+        if checks.off * off <= 0 and abs(off) < FAR_OFF:
+            checks.off = off  # once: the next check must find it off the same way
+            return None
+        checks.off = 0.0
+        checks.times.clear()
+        profile = plan.profile
+        if basis > plan.predicted_step_s:
+            # Slower than predicted: the excess is charged to the moved bytes
+            # and to the rebuilds replayed op by op (NOTE [ Replayed modules ]
+            # in planning/planner.py), each as if it alone were the cause, so that the
+            # next plan does without what cost more than priced. Except on a
+            # device with a copy engine each way: NOTE [ Charging a slow step ].
+            excess = basis - plan.predicted_step_s
+            recorded = recorded_rebuilds(profile, plan.choices)
+            if profile.shared_link:  # a CPU: both in full (NOTE [ Charging a slow step ])
+                moved_bytes, moved_saves = 2 * plan.bytes_by_choice()["offload"], 0
+            else:  # CUDA: the recorder first, else each moved save
+                moved_bytes = 0
+                moved_saves = 0 if recorded else offloaded_saves(profile, plan.choices)
+            if recorded or moved_bytes or moved_saves:
+                if recorded:
+                    self._runner._recorder.recorded_rebuild_s = (
+                        profile.recorded_rebuild_s + excess / recorded
+                    )
+                    profile = replace(
+                        profile, recorded_rebuild_s=self._runner._recorder.recorded_rebuild_s
+                    )
+                if moved_bytes:
+                    per_byte = profile.moved_s_per_byte + excess / moved_bytes
+                    profile = replace(profile, moved_s_per_byte=per_byte)
+                if moved_saves:
+                    self._runner._recorder.moved_s_per_save = (
+                        profile.moved_s_per_save + excess / moved_saves
+                    )
+                    profile = replace(
+                        profile, moved_s_per_save=self._runner._recorder.moved_s_per_save
+                    )
+                return self.remake(profile)
+        return self._rescaled(_scaled(profile, basis / plan.predicted_step_s))
+
+
+def _scaled(profile: Profile, factor: float) -> Profile:
+    """``profile`` with every compute time times ``factor`` (NOTE [ Planned steps ])."""
+    saves = tuple(_scaled_save(s, factor) for s in profile.saves)
+    between = (
+        profile.between_s or 0.0
+    )  # not the step's compute (NOTE [ Like with like ] in planning/runner.py)
+    return replace(
+        profile,
+        saves=saves,
+        forward_s=profile.forward_s * factor,
+        backward_s=profile.backward_s * factor,
+        other_s=between + (profile.other_s - between) * factor,
+    )
