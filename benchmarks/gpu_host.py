@@ -4,7 +4,7 @@
 
 A GPU step under a plan that offloads is bound by the host where each moved
 save costs it more than the compute it hides behind (NOTE [ Charging a slow
-step ] in tierstore/planning/runner.py). This times that cost alone, with no model and
+step ] in tierstore/planning/checker.py). This times that cost alone, with no model and
 no autograd: ``--saves`` tensors of ``--mib`` MiB go through one store's
 tier manager to the host tier (``put``) and back (``get``), with the device
 kept busy by a spin so that no copy is ever waited for, and prints the host

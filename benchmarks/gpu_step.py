@@ -191,7 +191,7 @@ def _row(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if store is not None and store.config.activation_budget is not None:
         # A plan that needs a search is made in a process of its own while the
         # steps go on on the safe placement (NOTE [ Planning off the training
-        # thread ] in tierstore/planning/runner.py): warm up until a plan has run
+        # thread ] in tierstore/planning/checker.py): warm up until a plan has run
         # --settle steps in a row (a check that finds it off remakes it).
         for _ in range(MAX_STEPS_TO_A_PLAN):
             entry = plans[-1]

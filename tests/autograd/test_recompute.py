@@ -832,7 +832,7 @@ def test_gpt_with_dropout_is_bitwise(host_store: tierstore.TierStore) -> None:
 
 
 def test_an_event_timed_op_is_read_when_asked_not_when_recorded() -> None:
-    # NOTE [ Timing a profile ] in planning/runner.py: on CUDA an op is a span of the
+    # NOTE [ Timing a profile ] in planning/timers.py: on CUDA an op is a span of the
     # profile's BusyTimer, its two events read (and waited for) only when the
     # plan is made.
     class Event:

@@ -126,7 +126,7 @@ def module_name() -> tuple[str, str, bool]:
     """The save's module in a profiled block (NOTE [ Naming modules ]), else "".
 
     And its outermost module (NOTE [ Modules kept whole ]), and whether a
-    compiled region hands it over (NOTE [ A peak above the budget ] in planning/runner.py).
+    compiled region hands it over (NOTE [ A peak above the budget ] in planning/checker.py).
     """
     names = local.names
     return ("", "", False) if names is None else names.saving()

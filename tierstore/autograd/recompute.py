@@ -308,7 +308,7 @@ class _Origin:
         self.outs = outs  # the layouts of several outputs, for out= (else empty)
         self.node: weakref.ref[_Node] | None = None
         # The op's own time when the recorder times ops: seconds, or a function
-        # that reads its span's events (NOTE [ Timing a profile ] in planning/runner.py).
+        # that reads its span's events (NOTE [ Timing a profile ] in planning/timers.py).
         self.cost: float | Callable[[], float] = 0.0
         self.module = ""  # where it ran, when the recorder is told (a profiled step)
 
@@ -1097,7 +1097,7 @@ class Recorder(TorchDispatchMode):
         self._policy = policy
         self._is_kept = is_kept
         self._max_depth = max_depth
-        self._timer = timer  # a profile's Timer (planning/runner.py): each op is a span of it
+        self._timer = timer  # a profile's Timer (planning/timers.py): each op is a span of it
         # Above 0 while tierstore's own hooks run ops (a copy off the device, a
         # detach): they are neither recorded nor timed as the step's compute.
         self.paused = 0
@@ -1139,7 +1139,7 @@ class Recorder(TorchDispatchMode):
 
         The op is a span of the profile's timer: on CUDA two events around
         it on the current stream, read when the profile becomes a plan
-        (NOTE [ Timing a profile ] in planning/runner.py): no synchronisation, which
+        (NOTE [ Timing a profile ] in planning/timers.py): no synchronisation, which
         would make the op look slower than it is.
         """
         timer = self._timer
@@ -1175,7 +1175,7 @@ class Recorder(TorchDispatchMode):
 
         The cost is ``None`` when ``t`` cannot be rebuilt; seconds, or on
         CUDA a function that reads them once the step's events have run
-        (NOTE [ Timing a profile ] in planning/runner.py). Where: the modules that ran
+        (NOTE [ Timing a profile ] in planning/timers.py). Where: the modules that ran
         the ops a rebuild replays, when the recorder was told (``where``).
         """
         made = self._origins.get(t.untyped_storage(), {}).get(_view_key(t))
