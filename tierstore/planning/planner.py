@@ -109,13 +109,10 @@ Choice = Literal["keep", "offload", "rebuild"]
 # so planning n saves costs O(n^2) for each window size; the second pass
 # skips without a simulation the moves that cannot pay (_MoveBounds: a move
 # saves at most the cost it drops plus every wait on the link), which keeps
-# every plan as it was and takes 40% off the time. So do pricing no move of
-# a start that already fits, searching one window for all those that never
-# fill, and taking a move with the outcome its price played (not playing it
-# again): bench overhead's 401 saves (8 KiB each, the default 256 MiB
-# window) planned in 10.0 s on the 2-core VM with nine windows and 29,338
-# simulations, 2.7 s with three windows and 8,054; the H200 GPT step's 150
-# saves in 0.2-0.6 s.
+# every plan as it was and spares much of the time. So do pricing no move
+# of a start that already fits, searching one window for all those that
+# never fill, and taking a move with the outcome its price played (not
+# playing it again).
 
 
 # NOTE [ Replayed modules ]
@@ -135,18 +132,17 @@ Choice = Literal["keep", "offload", "rebuild"]
 # profile times each op, not the Python around it), and tries
 # plans that checkpoint the first modules with the link and op-by-op
 # rebuilds making up the rest (_checkpointed). On a GPU the recorder's Python
-# is what a step waits on: a plan that rebuilt a few saves in every block
-# ran at 1.4x the step it predicted.
+# is what a step waits on (NOTE [ Charging a slow step ] in
+# planning/checker.py).
 # A save no op can rebuild (a random op's, rebuild_s None: dropout's mask) is
 # rebuilt only natively, where checkpoint replays the RNG state. Op by op the
 # store cannot rebuild it and offloads it instead, outside the plan: bytes in
-# flight the plan did not count (on the small CPU model a planned step held
-# 20 to 28 MiB of dropout masks in its write queue above its predicted peak,
-# and the peak check then counted them as bytes that stay in every later
-# plan, which ruled out checkpointing every block). So simulate() prices
-# such a plan at an infinite step, and no move of the search makes one:
-# taking a checkpointed module's input or one of its rebuilds back leaves
-# its random saves with nothing that can rebuild them (_runnable).
+# flight the plan did not count, which the peak check then counts as bytes
+# that stay in every later plan, ruling out checkpointing every block. So
+# simulate() prices such a plan at an infinite step, and no move of the
+# search makes one: taking a checkpointed module's input or one of its
+# rebuilds back leaves its random saves with nothing that can rebuild them
+# (_runnable).
 
 
 def replayed(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, int, int], ...]:
@@ -305,12 +301,11 @@ def _natively_rebuilt(profile: Profile, choices: Sequence[Choice]) -> set[int]:
 # may leave it offloaded beside a first save it keeps (on a synthetic
 # profile, one that starts from everything offloaded does). But in a planned
 # step the first save, kept, has no entry to share, and the second then goes
-# off the device in full. On an H200 GPT step the 512 MiB log-probabilities
-# were copied out as forward ended and back as backward began in every plan
-# that offloaded (9.7 ms each way, nothing to hide them behind), launched
-# from nll_loss's save, beside a plan that said it kept them. So every plan
-# gives the second save the first one's choice (tied()): kept beside it, or
-# offloaded into the same entry.
+# off the device in full: a GPT's log-probabilities go out as forward ends
+# and come back as backward begins, with nothing to hide the copies behind,
+# beside a plan that says it keeps them. So every plan gives the second
+# save the first one's choice (tied()): kept beside it, or offloaded into
+# the same entry.
 # Except where checkpoint takes the saves (NOTE [ Replayed modules ]): a save
 # inside a module replayed natively, or a save of a tensor made there (a
 # block's last output, saved again as the next block's input), is never
