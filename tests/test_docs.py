@@ -159,3 +159,73 @@ def test_user_docs_tell_no_development_history(page: Path) -> None:
     text = page.read_text()
     assert not re.findall(r"(?i)\bissues?\s+#?\d+|\bcommit\s+`?[0-9a-f]{7}", text)
     assert not re.findall(r"(?i)development (?:machine|vm)", text)
+
+
+# Pages that name the code: the user docs, the benchmarks' README and the architecture page.
+CODE_PAGES = [*PAGES, ROOT / "benchmarks" / "README.md"]
+
+
+def _prose(page: Path) -> str:
+    """A page without its code blocks, whitespace made single spaces (a name may wrap)."""
+    return re.sub(r"\s+", " ", re.sub(r"```.*?```", "", page.read_text(), flags=re.S))
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``tierstore.x.y`` is a module of the package, or a name one defines."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("page", CODE_PAGES, ids=lambda p: p.name)
+def test_the_code_a_page_names_exists(page: Path) -> None:
+    # A file moved or a module renamed leaves no page pointing at the old place.
+    text = _prose(page)
+    paths = re.findall(r"`((?:tierstore|backends|benchmarks|tests)/[\w/.-]+\.(?:py|sh))`", text)
+    dotted = re.findall(r"`(tierstore(?:\.\w+)+)`", text)
+    missing = [p for p in paths if not (ROOT / p).exists()]
+    missing += [d for d in dotted if not d.endswith(".toml") and not _resolves(d)]
+    assert missing == [], f"{page.name} names {missing}"
+
+
+def _notes() -> dict[str, set[str]]:
+    """Every note's title -> the files that hold it (its own line, in a comment or docstring)."""
+    found: dict[str, set[str]] = {}
+    for path in [p for d in ("tierstore", "backends", "tests") for p in (ROOT / d).rglob("*.py")]:
+        for title in re.findall(r"^[ \t]*(?:# )?NOTE \[ (.+?) \][ \t]*$", path.read_text(), re.M):
+            found.setdefault(title, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+@pytest.mark.parametrize("page", CODE_PAGES, ids=lambda p: p.name)
+def test_the_notes_a_page_names_exist_where_it_says(page: Path) -> None:
+    notes = _notes()
+    text = re.sub(r"`[^`]*NOTE \[[^`]*`", "", _prose(page))  # `NOTE [ ... ]`: the form, not a note
+    wrong = []
+    for title, path in re.findall(r"NOTE \[ (.+?) \](?:\)?,? in `([\w/.]+\.py)`)?", text):
+        if title not in notes:
+            wrong.append(f"NOTE [ {title} ] (no such note)")
+        elif path and not any(f.endswith(path) for f in notes[title]):
+            wrong.append(f"NOTE [ {title} ] is not in {path} but in {sorted(notes[title])}")
+    assert wrong == [], f"{page.name}: {wrong}"
+
+
+def test_the_architecture_page_names_every_module_of_the_layers() -> None:
+    # A module added to a layer's folder gets its line on the page.
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    unnamed = [
+        str(path.relative_to(ROOT))
+        for folder in ("autograd", "planning", "tiers")
+        for path in sorted((ROOT / "tierstore" / folder).glob("[!_]*.py"))
+        if f"`{path.relative_to(ROOT)}`" not in text
+    ]
+    assert unnamed == [], f"docs/architecture.md does not name {unnamed}"
