@@ -96,8 +96,9 @@ LAYERS = {
     "offloading": {"autograd", "config", "errors", "tier_store"},
     "tier_store": {"autograd", "codec", "config", "errors", "planning", "stats", "tiers"},
     # The autograd boundary: saved_tensors_hooks, ops and modules; what the plan
-    # says for a save; handles. Never files or streams.
-    "autograd": {"config", "errors", "planning", "stats", "tiers"},
+    # says for a save; handles. Never files or streams. The codec only for the
+    # bytes a strided view rests in (its size, which the filters need).
+    "autograd": {"codec", "config", "errors", "planning", "stats", "tiers"},
     # A profile and a budget make a plan; the runner reads rates off the movers.
     "planning": {"config", "errors", "stats", "tiers"},
     # The planner is a pure function over numbers (the planning process imports it alone).

@@ -417,7 +417,7 @@ def test_a_quiet_block_that_left_more_device_memory_is_not_repeated(
     # On CUDA the allocator's count of allocated bytes shows what a quiet
     # block's saves no longer can; here a fake count, behind the same function.
     allocated = [0]
-    monkeypatch.setattr(tierstore.tier_store, "_device_bytes", lambda device: allocated[0])
+    monkeypatch.setattr(tierstore.tier_store, "device_bytes", lambda device: allocated[0])
     store = _store(spill_root)
     model = _model()
     watch = _Watch(store, model)

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from tierstore.autograd.state import local, unrecorded
+from tierstore.codec import span_nbytes
 from tierstore.stats import Placement
-from tierstore.tiers.manager import resting_nbytes
 
 # NOTE [ What stays on the device ]
 # Offloading a tensor pays only if the copy lets its memory go. These are kept
@@ -95,7 +95,7 @@ class BufferWatch:
             self._modules.add(module)
 
     def use(self, delta: int) -> None:
-        """``delta`` blocks open (+1) or close (-1): the first notes the buffers, the last forgets."""
+        """``delta`` blocks open (+1) or close (-1): the first notes buffers, the last forgets."""
         with self._lock:
             self._users += delta
             if delta > 0 and self._users == delta:  # the first block opens
@@ -153,7 +153,7 @@ def sized(t: torch.Tensor, min_bytes: int) -> int | Placement:
         return "parameter"
     if t.layout is not _STRIDED or t.is_nested:
         return "layout"
-    nbytes: int = t.nbytes if t.is_contiguous() else resting_nbytes(t)
+    nbytes: int = t.nbytes if t.is_contiguous() else span_nbytes(t)
     if nbytes < min_bytes:
         return "min_offload_bytes"
     return nbytes

@@ -272,7 +272,7 @@ class Regions:
         self._kept_stack().append((module, top))
 
     @never_traced
-    def kept_as_is(
+    def _kept(
         self, nbytes: int | None, module: torch.nn.Module, args: Any, output: Any
     ) -> None:
         """A module kept whole ended: the store's hooks back, and its backward watched for.
