@@ -334,9 +334,7 @@ def _saves_per_step(model: torch.nn.Module) -> int:
     return n[0]
 
 
-needs_stack = pytest.mark.skipif(
-    TOP_HOOKS is None, reason="this torch cannot read the hook stack"
-)
+needs_stack = pytest.mark.skipif(TOP_HOOKS is None, reason="this torch cannot read the hook stack")
 
 
 @needs_stack

@@ -590,7 +590,7 @@ def test_offload_keeps_at_most_four_stores(spill_root: Any) -> None:
 
     NOTE [ Stores behind offload() ].
     """
-    hooks = tierstore.tier_store
+
     offloading._close_all()
     torch.manual_seed(0)
     w = torch.randn(64, 64, requires_grad=True)
@@ -625,7 +625,7 @@ def test_a_retired_store_stays_open_for_the_backward_it_owes(spill_root: Any) ->
 
     NOTE [ Stores behind offload() ].
     """
-    hooks = tierstore.tier_store
+
     offloading._close_all()
     torch.manual_seed(0)
     w = torch.randn(64, 64, requires_grad=True)

@@ -1135,7 +1135,7 @@ class Recorder(TorchDispatchMode):
         return out
 
     def _timed_call(self, func: Any, args: Any, kwargs: Any) -> Any:
-        """A profiled step (NOTE [ Planned steps ] in planning/runner.py): each op's time, for its rebuild.
+        """A profiled step (NOTE [ Planned steps ], planning/runner.py): each op's time, to rebuild.
 
         The op is a span of the profile's timer: on CUDA two events around
         it on the current stream, read when the profile becomes a plan

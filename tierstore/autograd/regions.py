@@ -272,9 +272,7 @@ class Regions:
         self._kept_stack().append((module, top))
 
     @never_traced
-    def _kept(
-        self, nbytes: int | None, module: torch.nn.Module, args: Any, output: Any
-    ) -> None:
+    def _kept(self, nbytes: int | None, module: torch.nn.Module, args: Any, output: Any) -> None:
         """A module kept whole ended: the store's hooks back, and its backward watched for.
 
         ``nbytes``: what backward reaching it counts used; ``None``: not watched.
@@ -392,7 +390,7 @@ def _reached(used: KeptUsed, nbytes: list[int], grad_outputs: Any) -> None:
 
 
 def _can_replay() -> bool:
-    """Whether this torch checkpoints through hooks (NOTE [ Replayed modules ] in planning/planner.py)."""
+    """Whether this torch checkpoints through hooks (NOTE [ Replayed modules ], planner.py)."""
     generator = getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None)
     return callable(generator)
 
