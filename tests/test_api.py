@@ -88,7 +88,7 @@ def test_store_uses_the_shipped_backend_class(tmp_path: Path) -> None:
 LAYERS = {
     # Integrations sit on top: the public store and offload_module, and nothing
     # in tierstore imports them (test_nothing_imports_the_integrations).
-    "integrations": {"config", "errors", "stats", "tier_store"},
+    "integrations": {"config", "errors", "offloading", "stats", "tier_store"},
     "cli": {"bench", "config", "errors", "models", "stats", "tier_store"},
     "__init__": {"autograd", "config", "errors", "offloading", "stats", "tier_store"},
     # The public API: the store wires the layers below together; offload() and

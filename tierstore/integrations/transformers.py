@@ -14,8 +14,9 @@ from typing import Any
 from tierstore.config import TierConfig
 from tierstore.errors import TierstoreError
 from tierstore.integrations import EXTRA_HINT, figures, resolve, run_stats
+from tierstore.offloading import offload_module
 from tierstore.stats import Stats
-from tierstore.tier_store import TierStore, offload_module
+from tierstore.tier_store import TierStore
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
