@@ -288,7 +288,7 @@ class AlignedBufferPool:
                 else:
                     self._returned.wait()
                     continue
-                buf.resident = True  # NOTE [ Idle I/O buffers ]
+                buf.resident = True  # See NOTE [ Idle I/O buffers ]
                 return buf
 
     def trim(self) -> int:

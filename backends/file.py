@@ -222,7 +222,7 @@ class FileBackend(Backend[int]):
                 "set disk_path (TIERSTORE_DISK_PATH) to a writable local directory"
             ) from e
         self._fd = fd
-        self._file_bytes = 0  # NOTE [ File backend growth ]
+        self._file_bytes = 0  # See NOTE [ File backend growth ]
         self._grow_lock = threading.Lock()
         self._sparse = False  # the filesystem has no fallocate: grow by ftruncate
         # Closes the fd if the backend is dropped without close(); close() calls it.

@@ -259,7 +259,7 @@ class LmdbBackend(Backend[bytes]):
                 joined.close()
             size = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
             joined = self._joined = AlignedBuffer(size)
-        joined.resident = True  # NOTE [ Idle I/O buffers ] in _aligned.py
+        joined.resident = True  # See NOTE [ Idle I/O buffers ] in _aligned.py
         at = 0
         for view in views:
             copy(joined.view[at : at + view.nbytes], view)

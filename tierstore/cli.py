@@ -123,7 +123,7 @@ def demo(args: argparse.Namespace) -> int:
         f"backward waited {after_backward.unpack_wait_s - before.unpack_wait_s:.2f} s for reads"
     )
     rss = _peak_rss_line(args, cfg)
-    # NOTE [ Demo output ]
+    # See NOTE [ Demo output ]
     print(
         "to measure your own sizes and settings: tierstore bench train, tierstore bench "
         "storage (benchmarks/README.md)"
@@ -245,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        with removed_on_sigterm():  # NOTE [ SIGTERM ] in tierstore/bench/scratch.py
+        with removed_on_sigterm():  # See NOTE [ SIGTERM ] in tierstore/bench/scratch.py
             code: int = args.run(args)
     except TierstoreError as exc:
         parser.exit(2, f"{exc}\n")

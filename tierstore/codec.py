@@ -324,7 +324,7 @@ def to_span(t: torch.Tensor, alloc: Alloc | None = None) -> tuple[torch.Tensor, 
     core_shape = _core_shape(shape, stride)
     core = t.as_strided(core_shape, stride, t.storage_offset())
     rest, numel = _rest(core_shape, stride)
-    align = _residue(t)  # NOTE [ Addresses ]
+    align = _residue(t)  # See NOTE [ Addresses ]
     if rest == "range":
         span = core.as_strided((numel,), (1,), core.storage_offset())
         return span, Layout(shape, stride, 0, align=align)

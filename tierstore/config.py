@@ -98,7 +98,7 @@ def _kind(value: object) -> str:
 
 
 def _size_input(value: Any) -> Any:
-    # NOTE [ Size syntax ]; returns an int of bytes for ByteSize to wrap.
+    # See NOTE [ Size syntax ]; returns an int of bytes for ByteSize to wrap.
     if isinstance(value, bool):
         raise ValueError("a bool is not a size")
     if isinstance(value, int):
@@ -175,7 +175,7 @@ def _budget_input(value: Any) -> Any:
     ):
         n = int(bare)
         if 0 < n < _LEAST_BARE_BUDGET:
-            # NOTE [ Bytes or a fraction ]
+            # See NOTE [ Bytes or a fraction ]
             raise ValueError(
                 f"{n} would be {n} byte{'s' if n > 1 else ''}, which no step fits in: "
                 "write a fraction of the step's saved bytes with a decimal point or a "

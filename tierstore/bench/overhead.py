@@ -333,7 +333,7 @@ def _measure(
                 torch.equal(a, b) for a, b in zip(grads, reference, strict=True)
             )
 
-        # NOTE [ Full collections in a row's steps ]: counted where they fall.
+        # See NOTE [ Full collections in a row's steps ]: counted where they fall.
         current: list[OverheadRow] = []
 
         def collected(phase: str, info: dict[str, int]) -> None:
@@ -358,7 +358,7 @@ def _measure(
                 for name, ctx in rows.items():
                     if ctx is none:
                         continue
-                    # NOTE [ Steps paired with no hooks' ]: a step of no hooks
+                    # See NOTE [ Steps paired with no hooks' ]: a step of no hooks
                     # before each of the row's and one after the last.
                     row = out[name]
                     around = [timed(none, baseline)]

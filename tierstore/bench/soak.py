@@ -649,7 +649,7 @@ def _checks(
         limit = float(settings.rss_growth_limit_bytes) if rss else 0.0
         lmdb_map = 0
         if kind == "max" and settings.backend == "lmdb":
-            # NOTE [ What bench soak measures ]: LMDB's file may grow up to its map.
+            # See NOTE [ What bench soak measures ]: LMDB's file may grow up to its map.
             lmdb_map = _map_size(budget)
             limit = float(lmdb_map - after[0])
         row = MetricCheck(

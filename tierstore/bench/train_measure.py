@@ -281,13 +281,13 @@ class _Bench:
         budgeted = (
             isinstance(strategy, _Tierstore) and strategy.config.activation_budget is not None
         )
-        warmup = settings.warmup + _planning_steps(settings)  # NOTE [ Budget rows ]
+        warmup = settings.warmup + _planning_steps(settings)  # See NOTE [ Budget rows ]
         n = warmup + settings.steps
         for step in range(n):
             if step == warmup:
                 before = strategy.stats()
             with progress.phase(f"{strategy.name} step {step + 1}/{n}"):
-                # NOTE [ What bench train measures ]: the tiers in untimed steps only.
+                # See NOTE [ What bench train measures ]: the tiers in untimed steps only.
                 took, peaks, timeline = self._step(
                     strategy, opt, step, base, poll_tiers=step < warmup
                 )
@@ -331,7 +331,7 @@ class _Bench:
             torch.cuda.reset_peak_memory_stats(self.device)
         if base is None:
             base = self.base()
-        # NOTE [ What bench train measures ]: the same samplers run in every
+        # See NOTE [ What bench train measures ]: the same samplers run in every
         # strategy's steps; the tier one reads a store's tiers where there is one.
         samplers = [_Sampler(self.memory_now, _SAMPLE_S)]
         if poll_tiers:

@@ -300,7 +300,7 @@ def format_train(report: TrainReport) -> str:
         lines += ["", beside]
     targets = report.targets
     if saved < TARGET_SAVED_BYTES:
-        # NOTE [ Targets at size ]
+        # See NOTE [ Targets at size ]
         lines.insert(0, _wrap(_small_model_note(report, saved)))
         targets = [t for t in targets if "grad" in t["check"]]
     lines += [_wrap(_format_target(t)) for t in targets]

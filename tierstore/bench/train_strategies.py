@@ -316,7 +316,7 @@ def _make_strategy(
         )
         runner = row.store._runner
         assert runner is not None
-        # NOTE [ Budget rows ]: planned by the third step, remade where checked
+        # See NOTE [ Budget rows ]: planned by the third step, remade where checked
         runner.wait_for_plans = True
         return row
     if name == "disk-naive":
