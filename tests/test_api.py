@@ -232,7 +232,7 @@ DEPRECATED = [
     ("tierstore.hooks", "tierstore", "TierStore"),
     ("tierstore.hooks", "tierstore", "offload"),
     ("tierstore.store", "tierstore.tiers.manager", "TierManager"),
-    ("tierstore.recompute", "tierstore.autograd.recompute", "Recorder"),
+    ("tierstore.recompute", "tierstore.autograd.recompute", "cheap"),
     ("tierstore.bench.gpt", "tierstore.models", "GPT"),
 ]
 
