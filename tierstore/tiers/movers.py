@@ -404,7 +404,8 @@ class Pipeline:
         total = 0.0
         for thread in threads:
             ident = thread.ident
-            if ident is None or not hasattr(time, "pthread_getcpuclockid"):
+            # A thread that has ended has no clock: its id may name freed memory.
+            if ident is None or not thread.is_alive() or not hasattr(time, "pthread_getcpuclockid"):
                 continue
             with contextlib.suppress(OSError, ProcessLookupError):
                 total += time.clock_gettime(time.pthread_getcpuclockid(ident))
