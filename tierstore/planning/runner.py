@@ -28,7 +28,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from tierstore.config import TierConfig
-from tierstore.planning.checker import PlanChecker, budget_bytes
+from tierstore.planning.checker import PlanChecker
+from tierstore.planning.limits import StepLimits
 from tierstore.planning.planner import Choice, Plan
 from tierstore.planning.recorder import ProfileRecorder, RebuildTime, _Row, _Step
 from tierstore.planning.timers import BusyTimer, Timer
@@ -126,7 +127,7 @@ def _backward_ended(step: _Step) -> None:
     step.ended = time.perf_counter()
 
 
-class PlanRunner:
+class PlanRunner(StepLimits):
     """Profiles, plans and applies an activation budget (NOTE [ Planned steps ]).
 
     Args:
@@ -246,92 +247,6 @@ class PlanRunner:
         nothing.
         """
         return self.plan is not None and "rebuild" in self.plan.choices
-
-    def window_bytes(self) -> int | None:
-        """The most any kept plan holds in flight each way; ``None`` before the first plan."""
-        return max((plan.window_bytes for plan in self._plans.values()), default=None)
-
-    def safe_device_bytes(self) -> int:
-        """What the safe placement keeps on the device (NOTE [ Planned steps ])."""
-        if isinstance(self.budget, float):
-            return 0
-        in_flight = int(self._config.prefetch_bytes) + int(self._config.write_queue_bytes)
-        return max(0, int(self.budget) - in_flight)
-
-    def in_flight_bytes(self, adding: int = 0) -> int | None:
-        """What the step under way may hold in flight each way, or ``None``: the limits' own.
-
-        A planned step: its plan's window (the store's limits are bounded by
-        the largest kept plan's). A profiled step under a fractional budget:
-        that share of what it saved so far, less ``adding`` (a save about to
-        join the write queue). The step's saved bytes are known only as it
-        runs, and the budget is at least its share of them: the safe
-        placement keeps nothing, and this bounds what it holds in flight
-        (the write queue in forward, the reads ahead in backward). At 0 a
-        save waits for its own write and backward reads on demand
-        (NOTE [ Write staging ] in tierstore/tiers/writebehind.py): a save larger
-        than the share so far never sits in the queue beside it.
-        """
-        step = self._step
-        if step is None:
-            return None
-        if self.planned:
-            assert self.plan is not None
-            return self.plan.window_bytes
-        if not (step.profiling or step.waiting) or not isinstance(self.budget, float):
-            return None
-        return max(int(self.budget * step.saved_bytes) - adding, 0)
-
-    def budget_bytes_now(self) -> int:
-        """The budget in bytes for the step under way.
-
-        A planned step: its plan's. Otherwise a size as it is, a fraction as
-        that share of what the step saved so far (0 between steps).
-
-        Example:
-            >>> from tierstore import TierConfig
-            >>> from tierstore.planning.runner import PlanRunner
-            >>> from tierstore.tiers.movers import LinkClock
-            >>> PlanRunner(TierConfig(activation_budget="1MiB"), LinkClock(), LinkClock(),
-            ...            lambda: 0.0).budget_bytes_now()
-            1048576
-        """
-        if self.planned:
-            assert self.plan is not None
-            return self.plan.budget_bytes
-        step = self._step
-        return budget_bytes(self.budget, step.saved_bytes if step is not None else 0)
-
-    def hands_back(self) -> bool:
-        """Whether the step under way hands the heap back as it lets bytes go.
-
-        Every step but a planned one whose plan frees what it drops where
-        checkpointing does (NOTE [ Handing the heap back ] in
-        tierstore/tiers/host_pool.py).
-
-        Example:
-            >>> from tierstore import TierConfig
-            >>> from tierstore.planning.runner import PlanRunner
-            >>> from tierstore.tiers.movers import LinkClock
-            >>> PlanRunner(TierConfig(activation_budget=0.5), LinkClock(), LinkClock(),
-            ...            lambda: 0.0).hands_back()
-            True
-        """
-        return not self.planned or self.plan is None or self.plan.hands_back
-
-    def read_ahead_bytes(self, held: int) -> int | None:
-        """The bound on reads ahead as backward begins, ``held`` bytes being resident already.
-
-        A planned step: its plan's window. The safe placement: its share
-        less ``held`` and less the largest save, as the window lets one read
-        past its limit (NOTE [ Prefetch ] in tierstore/tiers/readahead.py); at 0
-        backward reads on demand.
-        """
-        bound = self.in_flight_bytes()
-        step = self._step
-        if bound is None or self.planned or step is None:
-            return bound
-        return max(bound - held - step.largest, 0)
 
     def _profile_next(self) -> bool:
         """Whether a step beginning now is profiled (NOTE [ Planned steps ])."""
@@ -506,7 +421,7 @@ class PlanRunner:
         new bytes: it is written down with none. ``compiled``: a compiled
         region handed it over as the region ended (NOTE [ A peak above the
         budget ]). ``graph``: the autograd graph can rebuild it (NOTE
-        [ Rebuilt from the graph ] in tierstore/autograd/recompute.py).
+        [ Rebuilt from the graph ] in tierstore/autograd/graph.py).
         """
         step = self._step
         assert step is not None and step.profiling
