@@ -17,7 +17,7 @@ and 5-12% over where it moved saves before moved saves were priced (NOTE
 
 ``--norms-from-graph`` marks the profile's LayerNorm outputs as
 rebuildable from the autograd graph, as a profile taken since LayerNorm
-has a GraphOp (NOTE [ A norm's eps ] in tierstore/autograd/recompute.py) marks
+has a GraphOp (NOTE [ A norm's eps ] in tierstore/autograd/graph.py) marks
 them. In this GPT's profile they are the views the Linears save whose
 rebuild reads the residual stream (an ``aten.add`` save) alone: two a
 block and the final norm's.
@@ -32,7 +32,7 @@ import json
 from pathlib import Path
 
 from tierstore.planning import planner
-from tierstore.planning.planner import Profile, Save, make_plan, simulate
+from tierstore.planning.planner import Choice, Profile, Save, make_plan, simulate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS = ("2026-11-27-h200-gpu-step-c21da0f.json", "2026-11-27-h200-gpu-step-2ac90c7.json")
@@ -80,7 +80,9 @@ def main() -> int:
             profile = norms_from_graph(profile)
         none = rows["none"]["peak_allocated_bytes"]
         others = none - profile.saved_bytes
-        kept = simulate(profile, ("keep",) * len(profile.saves), profile.window_bytes).step_s
+        keep: tuple[Choice] = ("keep",)
+        keep_all = keep * len(profile.saves)
+        kept = simulate(profile, keep_all, profile.window_bytes).step_s
         print(
             f"{Path(path).name} ({args.row}'s profile; {len(profile.graph_saves)} saves "
             f"rebuildable from the graph; a moved save {profile.moved_s_per_save * 1e6:.0f} us, "
