@@ -84,7 +84,7 @@ class _Row:
     used_at: object = None  # the Timer's mark when backward first used it
     made_in: tuple[str, ...] = ()  # the modules that ran a rebuild's ops
     root: str = ""  # the outermost module that saved it
-    graph: bool = False  # NOTE [ Rebuilt from the graph ] in autograd/recompute.py
+    graph: bool = False  # NOTE [ Rebuilt from the graph ] in autograd/graph.py
 
 
 @dataclass
@@ -271,7 +271,7 @@ class ProfileRecorder:
             host = max(0.0, total - waits - forward - backward)
             self.recorded_rebuild_s = host / len(rows)
         if busy and not self.moved_s_per_save and step.moved_saves:
-            # NOTE [ Pricing a moved save first ]
+            # NOTE [ Pricing a moved save first ]: per save moved, its waits taken out
             self.moved_s_per_save = step.moved_host_s / step.moved_saves
         faults = self._page_fault_s
         profile = Profile(
