@@ -40,7 +40,7 @@ __all__ = ["BusyTimer", "HostTimer", "Timer"]
 #     (an allocation that waits on the device takes as long as the wait).
 #     tierstore's own ops in its hooks (the copy off the device, a detach)
 #     are not the step's: the recorder is paused while the hooks run them
-#     (hooks._unrecorded).
+#     (unrecorded() in tierstore/autograd/state.py).
 #   * backward: an event at each use, less the time the compute stream
 #     waited on copies back (an event pair around each wait, written down
 #     by Transfers.consume while the profiled step runs).
