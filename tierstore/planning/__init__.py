@@ -4,10 +4,15 @@
 :class:`~tierstore.planning.planner.Profile` and a budget in, a
 :class:`~tierstore.planning.planner.Plan` out); it imports neither torch nor
 the rest of the package, so the planning process
-(:mod:`~tierstore.planning.worker`) starts cheaply. The runner profiles a
-step, has it planned off the training thread, says for each save what the
-plan chose, and checks the prediction against the measurement. This layer
-knows nothing of how bytes rest or move.
+(:mod:`~tierstore.planning.worker`, started by
+:mod:`~tierstore.planning.process`) starts cheaply. The runner
+(:mod:`~tierstore.planning.runner`) says for each save what the plan chose,
+and tells the tier manager its limits (:mod:`~tierstore.planning.limits`);
+the recorder (:mod:`~tierstore.planning.recorder`) makes a profiled step,
+timed by :mod:`~tierstore.planning.timers`, into a profile; the checker
+(:mod:`~tierstore.planning.checker`) has it planned off the training thread
+and checks each prediction against the measurement. This layer knows
+nothing of how bytes rest or move.
 
 Example:
     >>> from tierstore.planning.planner import Profile, Save, make_plan
