@@ -3,7 +3,8 @@
 Example:
     >>> import torch, tierstore
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
-    >>> with tierstore.offload_module(model, device_budget=0, disk_budget=0) as handle:
+    >>> with tierstore.offload_module(
+    ...         model, device_budget=0, disk_budget=0, min_offload_bytes=0) as handle:
     ...     model(torch.randn(32, 64)).sum().backward()
     ...     handle.store.stats().tiers["host"].peak_bytes > 0
     True
@@ -23,9 +24,7 @@ import torch
 
 from tierstore.autograd.blocks import Block
 from tierstore.autograd.filters import buffers
-from tierstore.autograd.recompute import (
-    never_traced,
-)
+from tierstore.autograd.recompute import never_traced
 from tierstore.autograd.state import local
 from tierstore.config import TierConfig
 from tierstore.errors import ConfigError

@@ -42,15 +42,15 @@ from tierstore.autograd.filters import (
 from tierstore.autograd.hooks import SaveHooks
 from tierstore.autograd.names import ModuleNames
 from tierstore.autograd.quiet import GREW, MEASURED_EVERY, Quiet, Repeat, device_bytes, opened_at
+from tierstore.autograd.recipes import Recipe
 from tierstore.autograd.recompute import (
     Policy,
-    Recipe,
     RecomputeSetting,
-    Recorder,
     everything,
     never_traced,
     policy_of,
 )
+from tierstore.autograd.recorder import Recorder
 from tierstore.autograd.regions import MAX_PLANNED_DEPTH, Regions
 from tierstore.autograd.state import HOOKS_ENABLED, TOP_HOOKS, local
 from tierstore.config import TierConfig, load_config, with_overrides

@@ -21,8 +21,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 import tierstore
-from tierstore.autograd import recompute
-from tierstore.autograd.recompute import Recipe, Recorder, everything
+import tierstore.autograd.recipes
+from tierstore.autograd import graph, recompute
+from tierstore.autograd.recipes import Recipe
+from tierstore.autograd.recompute import everything
+from tierstore.autograd.recorder import Recorder
 from tierstore.models import GPT, GPTConfig
 from tierstore.planning.runner import BusyTimer
 from tierstore.tiers.handle import Handle
@@ -267,7 +270,7 @@ def test_a_graph_dropped_without_backward_leaves_nothing(host_store: tierstore.T
     del loss
     gc.collect()
     assert all(r() is None for r in recipes)
-    assert not recompute._stored
+    assert not tierstore.autograd.recipes._stored
     assert_empty(host_store)
 
 
@@ -279,7 +282,7 @@ def test_a_failing_backward_leaves_nothing(host_store: tierstore.TierStore) -> N
         loss.backward()
     del loss
     gc.collect()
-    assert not recompute._stored
+    assert not tierstore.autograd.recipes._stored
     assert_empty(host_store)
 
 
@@ -416,7 +419,7 @@ def test_a_shared_value_is_made_once_for_consumers_on_two_threads() -> None:
             arrived.set()
         return t.clone()
 
-    stored = recompute._Stored.of(packed, fetch)
+    stored = tierstore.autograd.recipes.Stored.of(packed, fetch)
     stored.add_use()  # autograd's unpack of it, and one rebuild that reads it
     stored._lock = _ContendedLock(arrived)  # type: ignore[assignment]
     got: dict[str, torch.Tensor] = {}
@@ -445,13 +448,13 @@ def test_two_threads_get_one_node_for_an_op(monkeypatch: pytest.MonkeyPatch) -> 
     """
     x = torch.randn(64)
     packed = Handle(0, x)
-    rec = recompute.Recorder(recompute.cheap, lambda t: False)
+    rec = Recorder(recompute.cheap, lambda t: False)
     rec.note_packed(x, packed, lambda p: x)
     with rec:
         y = x.exp()
-    origin = rec._origins[y.untyped_storage()][recompute._view_key(y)][1]
+    origin = rec._origins[y.untyped_storage()][graph.view_key(y)][1]
     resolving, published = threading.Event(), threading.Event()
-    real_of = recompute._Stored.of
+    real_of = tierstore.autograd.recipes.Stored.of
 
     def held_of(p: Any, fetch: Any) -> Any:
         if threading.current_thread().name == "first":
@@ -459,7 +462,7 @@ def test_two_threads_get_one_node_for_an_op(monkeypatch: pytest.MonkeyPatch) -> 
             assert published.wait(60)
         return real_of(p, fetch)
 
-    monkeypatch.setattr(recompute._Stored, "of", staticmethod(held_of))
+    monkeypatch.setattr(tierstore.autograd.recipes.Stored, "of", staticmethod(held_of))
     nodes: dict[str, Any] = {}
 
     def ask() -> None:
@@ -475,7 +478,9 @@ def test_two_threads_get_one_node_for_an_op(monkeypatch: pytest.MonkeyPatch) -> 
         thread.join(60)
     assert not any(thread.is_alive() for thread in threads)
     assert nodes["first"] is nodes["second"]
-    assert recompute._stored[packed].uses == 2  # autograd's unpack and the one node
+    assert (
+        tierstore.autograd.recipes._stored[packed].uses == 2
+    )  # autograd's unpack and the one node
 
 
 def test_threads_run_backward_of_one_graph_at_once(host_store: tierstore.TierStore) -> None:
@@ -701,7 +706,7 @@ def test_every_cheap_op_is_deterministic_here(op: str) -> None:
         return
     func, args, kwargs = ours[0]
     assert not func._schema.is_mutable
-    found = recompute._out_overload(func)
+    found = tierstore.autograd.recipes._out_overload(func)
     if found is not None:
         out_op, names = found
         outs = {n: torch.full_like(a, float("nan")) for n, a in zip(names, flat_a, strict=True)}
@@ -713,10 +718,10 @@ def test_every_cheap_op_is_deterministic_here(op: str) -> None:
 
 
 def test_random_and_in_place_ops_are_refused_whatever_the_policy() -> None:
-    assert recompute._never(torch.ops.aten.native_dropout.default)
-    assert recompute._never(torch.ops.aten.add_.Tensor)
-    assert recompute._never(torch.ops.aten.bernoulli.default)
-    assert not recompute._never(torch.ops.aten.add.Tensor)
+    assert recompute.never_recorded(torch.ops.aten.native_dropout.default)
+    assert recompute.never_recorded(torch.ops.aten.add_.Tensor)
+    assert recompute.never_recorded(torch.ops.aten.bernoulli.default)
+    assert not recompute.never_recorded(torch.ops.aten.add.Tensor)
 
 
 # -- accounting and configuration -------------------------------------------------
@@ -891,10 +896,10 @@ def test_recipes_from_the_graph_rebuild_gelu_silu_and_swiglu_bitwise(
         loss = (g @ w).sum() + (h @ w).sum()
     ops = []
     for t in saved:
-        recipe = recompute.graph_recipe(t, t.numel() * t.element_size(), lambda p: p)
+        recipe = graph.graph_recipe(t, t.numel() * t.element_size(), lambda p: p)
         if recipe is None:
             continue
-        ops.append(recompute.graph_op(t).name())
+        ops.append(graph.graph_op(t).name())
         rebuilt = recipe.rebuild(lambda *a: None)
         assert torch.equal(rebuilt, t) and rebuilt.stride() == t.stride()
     # SiLU's output the product saves; GELU's output and the product, the matmuls.
@@ -949,15 +954,15 @@ def test_a_layer_norms_output_is_rebuilt_from_the_graph_with_the_eps_the_recorde
     x = torch.randn(4, 8, 32, device=device, dtype=dtype, requires_grad=True) * 3
     _, _, saved = _saved_by_linear_after(norm, x)
     t = _norm_output(saved)
-    assert recompute.graph_op(t, lambda p: p) is None
-    assert recompute.graph_recipe(t, t.numel() * t.element_size(), lambda p: p) is None
+    assert graph.graph_op(t, lambda p: p) is None
+    assert graph.graph_recipe(t, t.numel() * t.element_size(), lambda p: p) is None
 
     with Recorder(everything, lambda t: False):
         norm(x)  # a profiled step's forward: the recorder sees the op
     h, y, saved = _saved_by_linear_after(norm, x)
     t = _norm_output(saved)
-    assert recompute.graph_op(t, lambda p: p).name() == "NativeLayerNormBackward0"
-    recipe = recompute.graph_recipe(t, t.numel() * t.element_size(), lambda p: p)
+    assert graph.graph_op(t, lambda p: p).name() == "NativeLayerNormBackward0"
+    recipe = graph.graph_recipe(t, t.numel() * t.element_size(), lambda p: p)
     assert recipe is not None
     rebuilt = recipe.rebuild(lambda *a: None)
     assert torch.equal(rebuilt, t) and rebuilt.stride() == t.stride()
@@ -976,16 +981,16 @@ def test_a_layer_norm_whose_eps_is_in_doubt_is_not_rebuilt_from_the_graph() -> N
         F.layer_norm(x, (32,), norm.weight, norm.bias, eps=1e-3)
     _, _, saved = _saved_by_linear_after(norm, x)
     t = _norm_output(saved)
-    assert recompute.graph_op(t, lambda p: p) is None
-    assert recompute.graph_recipe(t, t.numel() * 4, lambda p: p) is None
+    assert graph.graph_op(t, lambda p: p) is None
+    assert graph.graph_recipe(t, t.numel() * 4, lambda p: p) is None
 
     bare = torch.nn.LayerNorm(32, elementwise_affine=False)
     with Recorder(everything, lambda t: False):
         bare(x)
     _, _, saved = _saved_by_linear_after(bare, x)
     t = _norm_output(saved)
-    assert recompute.graph_op(t, lambda p: p) is None
-    assert recompute.graph_recipe(t, t.numel() * 4, lambda p: p) is None
+    assert graph.graph_op(t, lambda p: p) is None
+    assert graph.graph_recipe(t, t.numel() * 4, lambda p: p) is None
 
 
 def test_a_norm_whose_eps_changed_since_the_recorder_saw_it_raises_at_rebuild() -> None:
@@ -999,7 +1004,7 @@ def test_a_norm_whose_eps_changed_since_the_recorder_saw_it_raises_at_rebuild() 
     norm.eps = 1e-5
     _, _, saved = _saved_by_linear_after(norm, x)
     t = _norm_output(saved)
-    recipe = recompute.graph_recipe(t, t.numel() * 4, lambda p: p)
+    recipe = graph.graph_recipe(t, t.numel() * 4, lambda p: p)
     assert recipe is not None
     with pytest.raises(tierstore.TierstoreError, match="the eps noted for this norm is not"):
         recipe.rebuild(lambda *a: None)
@@ -1021,7 +1026,7 @@ def test_norms_whose_weights_share_one_flat_buffer_keep_their_own_eps() -> None:
     for norm in norms:
         _, _, saved = _saved_by_linear_after(_Fn(norm), x)
         t = _norm_output(saved)
-        recipe = recompute.graph_recipe(t, t.numel() * 4, lambda p: p)
+        recipe = graph.graph_recipe(t, t.numel() * 4, lambda p: p)
         assert recipe is not None
         assert torch.equal(recipe.rebuild(lambda *a: None), t)
 
@@ -1050,8 +1055,8 @@ def test_a_norm_packed_by_another_hook_is_not_rebuilt_from_the_graph() -> None:
     with torch.autograd.graph.save_on_cpu():
         h = norm(x)
     t = h.view(-1, 32)
-    assert recompute.graph_op(t, held) is None
-    assert recompute.graph_recipe(t, t.numel() * 4, held) is None
+    assert graph.graph_op(t, held) is None
+    assert graph.graph_recipe(t, t.numel() * 4, held) is None
 
 
 @pytest.mark.parametrize("view", [False, True])
@@ -1069,7 +1074,7 @@ def test_a_recorded_rebuild_takes_an_input_rebuilt_from_the_graph(view: bool) ->
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p[0]), recorder:
         s = F.gelu(x).t() if view else F.gelu(x)
-        from_graph = recompute.graph_recipe(s, s.numel() * 4, lambda p: p)
+        from_graph = graph.graph_recipe(s, s.numel() * 4, lambda p: p)
         assert from_graph is not None and recorder.recipe_for(s, s.numel() * 4) is None
         recorder.note_packed(s, from_graph, None)  # as a planned step's pack hook does
         k = s * 3.0

@@ -894,7 +894,7 @@ def _blocks(n: int, per: int, *, recorded: float, link: float = 1e3) -> Profile:
 
 
 def test_a_rebuild_from_the_graph_costs_its_compute_alone_and_never_from_a_rebuilt_input() -> None:
-    # NOTE [ Rebuilt from the graph ] in autograd/recompute.py: no recorder runs for
+    # NOTE [ Rebuilt from the graph ] in autograd/graph.py: no recorder runs for
     # it, so no recorder's charge; its inputs kept or stored (the node holds
     # them as the hook packed them), never rebuilt themselves.
     p = _blocks(2, 3, recorded=0.5)

@@ -31,7 +31,8 @@ from torch.utils.checkpoint import checkpoint
 import tierstore
 from tierstore.autograd import hooks
 from tierstore.autograd.filters import Kept
-from tierstore.autograd.recompute import Recipe, Recorder
+from tierstore.autograd.recipes import Recipe
+from tierstore.autograd.recorder import Recorder
 from tierstore.autograd.state import local
 from tierstore.backends import FileBackend
 from tierstore.bench.overhead import _chain as _overhead_chain
@@ -1851,7 +1852,7 @@ def _watched_planned_step(
 def test_a_plan_rebuilds_gelus_outputs_from_the_graph_with_no_recorder(
     spill_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # NOTE [ Rebuilt from the graph ] in autograd/recompute.py: the planned step records
+    # NOTE [ Rebuilt from the graph ] in autograd/graph.py: the planned step records
     # no op, packs a recipe for each GELU and LayerNorm output the next Linear
     # saves, and its gradients are eager's, bitwise, dropout and all.
     store = _planning_with(spill_root, monkeypatch, _rebuilding_from_the_graph)
@@ -1925,7 +1926,7 @@ def test_a_rebuild_from_the_graph_reads_a_stored_input_once_and_records_nothing(
 def test_a_recipe_from_the_graph_raises_on_an_input_changed_in_place(spill_root: Path) -> None:
     # Eager autograd raises on a saved tensor changed in place; so does a
     # rebuild that would read it, before any wrong gradient.
-    from tierstore.autograd.recompute import graph_recipe
+    from tierstore.autograd.graph import graph_recipe
 
     x = torch.randn(8, 8, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(

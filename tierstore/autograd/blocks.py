@@ -14,9 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from tierstore.autograd.recompute import (
-    Recorder,
-)
+from tierstore.autograd.recorder import Recorder
 from tierstore.autograd.state import local
 from tierstore.stats import PackTally
 

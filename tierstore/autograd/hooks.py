@@ -40,15 +40,11 @@ from tierstore.autograd.filters import (
     sized,
     unusual,
 )
+from tierstore.autograd.graph import graph_op, graph_recipe
 from tierstore.autograd.names import module_name
-from tierstore.autograd.recompute import (
-    Recipe,
-    Recorder,
-    graph_op,
-    graph_recipe,
-    never_traced,
-    shared_fetch,
-)
+from tierstore.autograd.recipes import Recipe, shared_fetch
+from tierstore.autograd.recompute import never_traced
+from tierstore.autograd.recorder import Recorder
 from tierstore.autograd.regions import BeginKept, BeginReplay, KeptUsed
 from tierstore.autograd.state import ENGINE, graph_task, local, unrecorded
 from tierstore.errors import modified_in_place

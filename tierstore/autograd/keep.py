@@ -17,9 +17,7 @@ from typing import Any
 import torch
 
 from tierstore.autograd.quiet import Quiet, asleep, woken
-from tierstore.autograd.recompute import (
-    never_traced,
-)
+from tierstore.autograd.recompute import never_traced
 from tierstore.autograd.state import local
 from tierstore.errors import ConfigError
 from tierstore.stats import TIERS, Tier

@@ -4,8 +4,8 @@ Example:
     >>> from tierstore.autograd.recompute import everything
     >>> from tierstore.autograd.regions import Regions
     >>> regions = Regions(everything, lambda t: False, lambda t: t)
-    >>> regions.whole, regions.keeps, regions.records
-    (False, False, False)
+    >>> regions.whole, regions.keeps   # before a plan: no module kept or checkpointed whole
+    (False, False)
     >>> regions.remove()
 """
 
@@ -22,11 +22,8 @@ from typing import Any
 import torch
 
 from tierstore.autograd.blocks import tracing
-from tierstore.autograd.recompute import (
-    Policy,
-    Recorder,
-    never_traced,
-)
+from tierstore.autograd.recompute import Policy, never_traced
+from tierstore.autograd.recorder import Recorder
 from tierstore.autograd.state import HOOKS_ENABLED, TOP_HOOKS, local
 from tierstore.planning.planner import Plan, from_graph, kept_whole, replayed
 

@@ -24,7 +24,7 @@ from tierstore.stats import Tier
 if TYPE_CHECKING:  # annotations only: those modules read this one
     from tierstore.autograd.names import ModuleNames
     from tierstore.autograd.quiet import Quiet
-    from tierstore.autograd.recompute import Recorder
+    from tierstore.autograd.recorder import Recorder
     from tierstore.autograd.regions import Regions
 
 _R = TypeVar("_R")

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tierstore.autograd.recompute import Recorder, cheap
+from tierstore.autograd.recompute import cheap
+from tierstore.autograd.recorder import Recorder
 from tierstore.bench.train import _tokens, default_settings, quick_settings
 from tierstore.models import GPT, build_model
 

@@ -247,7 +247,7 @@ def recorded_rebuilds(profile: Profile, choices: Sequence[Choice]) -> int:
 def from_graph(profile: Profile, choices: Sequence[Choice]) -> set[int]:
     """The saves ``choices`` rebuilds from the autograd graph, with no recorder.
 
-    NOTE [ Rebuilt from the graph ] in tierstore/autograd/recompute.py.
+    NOTE [ Rebuilt from the graph ] in tierstore/autograd/graph.py.
 
     Those whose op the graph can run again, with no input rebuilt: each is
     kept, or stored and read back once for the rebuild and its own use.

@@ -148,7 +148,7 @@ __all__ = ["POOLED_MIN_BYTES", "QUIET_ROOM", "TierManager", "resting_nbytes"]
 
 
 #: The smallest rebuilt tensor :meth:`TierManager.empty` gives memory of the
-#: store's own (NOTE [ Rebuilt tensors in the store's memory ] in autograd/recompute.py):
+#: store's own (NOTE [ Rebuilt tensors in the store's memory ] in autograd/recipes.py):
 #: a leased buffer costs a rebuild about 15 us of Python (the pool's lock, a
 #: window over the block, a finalizer), more than the op that fills a tensor
 #: this small, while glibc serves one from its heap's free lists, which the
