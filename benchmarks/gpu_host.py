@@ -22,6 +22,7 @@ import pstats
 import statistics
 import time
 import timeit
+from collections.abc import Callable
 
 import torch
 
@@ -48,7 +49,7 @@ def _api_costs() -> None:
     cur = torch.cuda.current_stream()
     ev = torch.cuda.Event()
     ev.record(cur)
-    calls = {
+    calls: dict[str, Callable[[], object]] = {
         "torch.cuda.current_stream()": torch.cuda.current_stream,
         "torch.cuda.Event()": torch.cuda.Event,
         "torch.cuda.Event(enable_timing=True)": lambda: torch.cuda.Event(enable_timing=True),

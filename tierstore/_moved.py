@@ -22,12 +22,14 @@ import warnings
 from collections.abc import Callable
 
 
-def moved_to(old: str, new: str) -> Callable[[str], object]:
-    """A module ``__getattr__`` for ``old`` that hands out ``new``'s names, warning.
+def moved_to(old: str, new: str, *more: str) -> Callable[[str], object]:
+    """A module ``__getattr__`` for ``old`` that hands out the new modules' names, warning.
 
     Args:
         old: the module's old dotted path (the stub's ``__name__``).
         new: where its names live now.
+        *more: further modules its names went to (a module split in several),
+            looked in after ``new``, in order.
 
     Example:
         >>> lookup = moved_to("tierstore.store", "tierstore.tiers.manager")
@@ -41,16 +43,20 @@ def moved_to(old: str, new: str) -> Callable[[str], object]:
     def __getattr__(name: str) -> object:
         if name.startswith("__"):  # import machinery and tools probing the stub
             raise AttributeError(f"module {old!r} has no attribute {name!r}")
-        try:
-            value = getattr(importlib.import_module(new), name)
-        except AttributeError:
-            raise AttributeError(f"module {old!r} has no attribute {name!r}") from None
+        # The module that exports the name, not one that merely imports it.
+        modules = [importlib.import_module(home) for home in (new, *more)]
+        owners = [m for m in modules if name in getattr(m, "__all__", ())]
+        owners += [m for m in modules if m not in owners and hasattr(m, name)]
+        if not owners:
+            raise AttributeError(f"module {old!r} has no attribute {name!r}")
+        module = owners[0]
+        home = module.__name__
         warnings.warn(
-            f"tierstore: {old}.{name} moved to {new}.{name}; import it from {new} "
+            f"tierstore: {old}.{name} moved to {home}.{name}; import it from {home} "
             f"({old} is removed in the next release, see CHANGELOG.md)",
             DeprecationWarning,
             stacklevel=2,
         )
-        return value
+        return getattr(module, name)
 
     return __getattr__

@@ -15,4 +15,10 @@ Example:
 
 from tierstore._moved import moved_to
 
-__getattr__ = moved_to(__name__, "tierstore.autograd.recompute")
+__getattr__ = moved_to(
+    __name__,
+    "tierstore.autograd.recompute",
+    "tierstore.autograd.recorder",
+    "tierstore.autograd.recipes",
+    "tierstore.autograd.graph",
+)
