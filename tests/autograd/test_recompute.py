@@ -27,7 +27,7 @@ from tierstore.autograd.recipes import Recipe
 from tierstore.autograd.recompute import everything
 from tierstore.autograd.recorder import Recorder
 from tierstore.models import GPT, GPTConfig
-from tierstore.planning.runner import BusyTimer
+from tierstore.planning.timers import BusyTimer
 from tierstore.tiers.handle import Handle
 
 from ..conftest import DISK_VARIANTS, FailingBackward, all_to_disk, assert_empty, buffers_in_use
