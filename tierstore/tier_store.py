@@ -214,7 +214,7 @@ class TierStore:
         block.alone = self._opened if not self._open else 0
         self._open += 1
         block.outer_keeps, local.keeps = local.keeps, False
-        # NOTE [ Recompute in blocks ]
+        # See NOTE [ Recompute in blocks ] in autograd/blocks.py.
         block.outer_recompute = local.recompute
         runner, timed, depth = self._runner, False, None
         if runner is not None:  # NOTE [ Planned saves ]

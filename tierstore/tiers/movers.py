@@ -352,7 +352,7 @@ class Pipeline:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        # NOTE [ Checksums beside the I/O ]
+        # See NOTE [ Checksums beside the I/O ].
         self._hasher: concurrent.futures.ThreadPoolExecutor | None = None
         self._start_lock = threading.Lock()
         self._closed = False
