@@ -269,7 +269,7 @@ class TierConfig(BaseSettings):
     CPU the host tier is the same RAM, so while ``disk_budget > 0`` CPU
     tensors beyond ``device_budget`` go straight to disk, whatever
     ``host_budget`` says: ``device_budget`` is what keeps CPU tensors in RAM.
-    With ``disk_budget=0`` they use the host tier as before. The host tier
+    With ``disk_budget=0`` they use the host tier, up to ``host_budget``. The host tier
     keeps its meaning for accelerator (CUDA) tensors. On a CPU-only machine
     the defaults therefore put every saved tensor of ``min_offload_bytes`` or
     more on disk.

@@ -124,10 +124,11 @@ GRAPH_OPS: dict[str, GraphOp] = {
 # NOTE [ A norm's eps ]
 # LayerNorm's backward node holds the op's input, weight, bias and shape,
 # and the mean and rstd it made, but not eps, which backward does not need;
-# and LayerNorm's outputs are what the Linears after it save, 64 MiB of the
-# 0.5 GiB each block of a GPT on an H200 saves, rebuilt in 34 us (its plans
-# at 0.68x and 0.52x of no offload's memory could rebuild them only with
-# the recorder, 1.7 ms a rebuild, or by checkpointing whole blocks). eps is
+# and LayerNorm's outputs are what the Linears after it save, about an
+# eighth of what a GPT block saves, which the graph rebuilds in tens of
+# microseconds where the recorder takes milliseconds a rebuild (without the
+# graph, a plan rebuilds them only with the recorder or by checkpointing
+# whole blocks). eps is
 # a constant of the module, so the recorder notes it, as it sees the op in
 # a profiled step, under the weight: its storage (weakly: a storage freed
 # and its memory reused is never found) and its place there (one flat

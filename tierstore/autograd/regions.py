@@ -40,7 +40,7 @@ from tierstore.planning.planner import Plan, from_graph, kept_whole, replayed
 # the one whose op made it. The modules are those the profiled step named
 # (NOTE [ Naming modules ]). A plan that rebuilds what ran in no module
 # the profile named (an op outside every module, a module gone since) records
-# the whole block, as before; one that rebuilds nothing records nothing. A
+# the whole block; one that rebuilds nothing records nothing. A
 # save whose recipe cannot be made after all is offloaded instead, as any
 # save that turns out not rebuildable.
 

@@ -120,7 +120,7 @@ __all__ = ["FAR_OFF", "REFIT_STEPS", "REFIT_TOLERANCE", "STALLED", "PlanChecker"
 # milliseconds prices each moved save so dear that no later plan of that
 # budget offloads. So a first planned step at STALLED times its prediction
 # or more is not judged; the step after it is, alone, as the first would
-# have been; a plan slow on both is charged as before.
+# have been; a plan slow on both is charged the excess, as above.
 
 #: How far a prediction may be off before the plan is made again.
 REFIT_TOLERANCE = 0.10

@@ -827,13 +827,12 @@ def _checkpointed(profile: Profile, budget: int, window: int) -> list[tuple[Choi
     graph ] in tierstore/autograd/recompute.py) rebuilt besides, as the greedy
     takes them first: cheap per byte and no recorder; but only those whose
     inputs stay, as from_graph() takes them (one rebuilt from another's
-    rebuild is the recorder's). Judged without them, the H200 GPT step at
-    0.68x of no offload's memory started from three to five checkpointed
-    blocks (1.080x predicted); with them, from one to three (1.060x: one
-    block checkpointed, six saves offloaded, eleven GELU outputs rebuilt
-    from the graph). Judged with all of them, chains included, a profile
-    whose first Linears' outputs the graph could rebuild as well as GELU's
-    started from too few blocks: 1.216x at 0.52x, against 1.109x. A random
+    rebuild is the recorder's). Judged without them, the fit asks for more
+    checkpointed blocks than the greedy needs, and the plans it starts from
+    are slower than those it reaches from fewer. Judged with all of them,
+    chains included (a profile whose first Linears' outputs the graph can
+    rebuild as well as GELU's), it starts from too few blocks, and the
+    greedy's plan from there is slower still. A random
     op's save is rebuilt too: checkpointing replays its RNG state (op by op
     it cannot be, and no move of the greedy leaves it so).
     """

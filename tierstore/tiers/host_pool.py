@@ -4,8 +4,8 @@ NOTE [ Host pool ]
 
 On CUDA every saved tensor demoted off the device is copied into host memory
 that must be page-locked for the copy to run asynchronously at full PCIe
-speed. Pinning is slow: ``cudaHostAlloc`` of 1 GiB took 0.63 s on an H100
-machine, far longer than the copy it serves. So the pool pins a few large
+speed. Pinning is slow: ``cudaHostAlloc`` of 1 GiB takes over half a
+second, far longer than the copy it serves. So the pool pins a few large
 *chunks* on first need, ``step`` bytes at a time and at most ``capacity``
 bytes in all, and carves entries out of them with an
 :class:`~tierstore.backends._extents.ExtentAllocator` per chunk (a stack:
@@ -14,8 +14,7 @@ so from the second step on no pinning happens at all. When no chunk has room
 and the pool may not grow, the chunks with no block out are dropped and the
 pool grows again: chunks grown for one step's sizes (a first step that sent
 every save off the device in pieces of one size) must not turn away a later
-step's larger block while most of their bytes are free (seen on an H200: no
-room for a 1 GiB block with 1.2 GiB of 8.2 GiB in use). Only when that
+step's larger block while most of their bytes are free. Only when that
 leaves no room either does :meth:`HostPool.take` return ``None`` (counted in
 ``allocations_outside``). A copy off the device then is refused with an
 error that names ``host_budget`` (``Transfers.host_block``): memory pinned
@@ -56,8 +55,7 @@ stay resident between steps. They ask for transparent huge pages
 default, grants only to mappings that ask): a chunk faulted back in after a
 trim then costs one fault per 2 MiB instead of per 4 KiB, and the direct
 I/O that reads into and writes from it pins a few large pages instead of
-many small ones. In ``bench train``'s model this took 7% off the step (two
-runs each way) on a machine where both cores train. Pinned chunks are never
+many small ones. Pinned chunks are never
 trimmed: pinning is what the pool exists to do once.
 """
 
@@ -125,12 +123,10 @@ class HostBlock:
 # autograd frees what it consumed and the gradients it made. glibc keeps
 # freed heap pages resident (a heap gives back only what is free at its
 # top), so RSS holds every page the step touched, and the steps before it,
-# whatever the store moved out. Measured on bench train's GPT at
-# activation_budget=0.03 (the floor: everything written out, one read in
-# use), six steps, mallinfo2 at the end of each forward: 125 MiB in use in
-# the heaps, 310-535 MiB free but resident; per-step peaks 611-715 MiB, in
-# forward, against 548-626 for disk-naive's torch.save hooks in the same
-# script.
+# whatever the store moved out: at the budget's floor (everything written
+# out, one read in use) the heaps hold several times their bytes in use
+# free but resident, and the step peaks above a hook that torch.save()s
+# every saved tensor.
 #
 # An activation budget bounds what the user's tools show, so a planned store
 # on a CPU hands the heap's free pages back (glibc's malloc_trim, which
@@ -144,43 +140,38 @@ class HostBlock:
 # budget would call after every save; glibc maps allocations larger than
 # that apart anyway, and unmaps them when they are freed) and each page
 # handed back is faulted in again when used. Steps that let go of less than
-# that between them hold little the heap could give back: bench overhead's
-# chain (1.6 MiB rebuilt a step) took about 1,000 faults a step from a
-# hand-back at every step's start, which made its steps 4 ms slower and
-# its slowest 1.36-1.50x its median, against 1.23-1.25x without (two runs
-# each). Nothing in use is freed and no allocator setting
-# changes; a page used again is faulted back in, zeroed. Measured with the
-# same script, handing back at every step's start only: forward peaks
-# 513-592 MiB; also every 12 saves and 12 unpacks (about the budget's 61
-# MiB): 403-446 MiB, backward 320-346. Without a budget tierstore promises
+# that between them hold little the heap could give back, and a hand-back
+# at each of their starts costs them its faults all the same, and makes
+# their slowest steps slower. Nothing in use is freed and no allocator setting
+# changes; a page used again is faulted back in, zeroed. Handing back at
+# each step's start alone leaves forward's peak well above what the step
+# holds; handing back within the step too, each budget's worth, brings it
+# down by about a third. Without a budget tierstore promises
 # no bound and does none of this. Where the C library has no malloc_trim
 # (musl, macOS, Windows) nothing happens.
 #
 # Each hand-back costs the step the page faults of the pages it uses
-# again: measured on bench train's small model (6 blocks, d_model 256, seq
-# 256, batch 4: 184.5 MiB saved a step) at budget=0.25, 43-66 thousand minor
-# faults a step against 12 thousand without hand-backs, and 0.05-0.06 s of
-# a 0.5 s step. A plan that moves nothing and rebuilds only natively
+# again, several times the minor faults of a step without hand-backs and
+# about a tenth of a small model's step. A plan that moves nothing and
+# rebuilds only natively
 # (checkpointing modules whole: NOTE [ Replayed modules ] in
 # tierstore/planning/planner.py) frees what it drops where torch.utils.checkpoint
 # does, and the heap holds no more than checkpointing's: such a plan hands
 # nothing back (Plan.hands_back; nor does one that keeps everything). Any
 # other plan does, as above: without hand-backs for its rebuilt saves or
-# at its start, a plan that kept a few saves in the last blocks and
-# rebuilt the rest op by op ran at 0.89-1.09x
-# checkpointing's step but at 1.14-1.53x its peak RSS (four runs of bench
-# train side by side, budget=0.25), where handing back held it at
-# 0.98-1.08x for a step of 1.01-1.11x. The planner prices the difference
+# at its start, a plan that keeps a few saves in the last blocks and
+# rebuilds the rest op by op runs near checkpointing's step but well above
+# its peak RSS, and handing back holds it near checkpointing's peak for a
+# step at most a tenth slower. The planner prices the difference
 # (Profile.hand_back_s): page_fault_s(), measured once a process, for
 # each page the step saves, added to every plan that hands back. So on a
 # CPU, where checkpointing modules meets the budget, a plan that keeps
 # more and copies or rebuilds op by op the rest must be faster by more
-# than its faults. On that model at budget=0.25 the plan now checkpoints
-# the first five blocks and keeps the last whole.
+# than its faults.
 # A planned step also hands back the pages of the buffers the profiled
 # steps used (HostPool.trim) as it begins, whatever its plan: one that
-# stores nothing never reaches the tier manager's step start, and kept the
-# 40 MiB of write staging the profile had used resident through every step.
+# stores nothing never reaches the tier manager's step start, and would
+# keep the write staging the profile used resident through every step.
 
 #: The fewest bytes a planned step lets go of between two heap releases
 #: (NOTE [ Handing the heap back ]): glibc's largest heap allocation.

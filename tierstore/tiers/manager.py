@@ -118,12 +118,13 @@ __all__ = ["POOLED_MIN_BYTES", "QUIET_ROOM", "TierManager", "resting_nbytes"]
 # the block it repeats (stayed_as_before; NOTE [ Quiet blocks ] in tier_store.py).
 
 # NOTE [ Reads from backward's start ]
-# Backward's reads ahead used to go out at its first unpack of an entry,
-# the first get(). In a planned step, the saves it keeps take no entry and
-# no get (NOTE [ Saves that stay ]): a plan that offloads the first blocks'
-# saves, as one should (their reads have all of backward to come back),
-# made its first get when backward reached those blocks, a miss, with the
-# rest of the window's reads behind it; yet the planner plays every read
+# Backward's reads ahead go out from backward's start, not from its first
+# unpack of an entry (the first get()). In a planned step, the saves it
+# keeps take no entry and no get (NOTE [ Saves that stay ]): a plan that
+# offloads the first blocks' saves, as one should (their reads have all of
+# backward to come back), makes its first get only when backward reaches
+# those blocks, and reads sent from there begin with a miss, the rest of
+# the window's reads behind it; yet the planner plays every read
 # from backward's start (planner.simulate), and the plan is priced so. So
 # a timed step's first use in backward (the hooks' backward_began, at a
 # kept save as at a stored one) begins the reads: the schedule's order, the
@@ -142,9 +143,9 @@ __all__ = ["POOLED_MIN_BYTES", "QUIET_ROOM", "TierManager", "resting_nbytes"]
 # that landed: WriteBehind.harvest) is settled once, as the lock is taken,
 # not at every drain: on CUDA each settle queries the events of the copies
 # under way, and five drains a save (the lock's entry and exit in put and
-# get, and the finalizer's) made nine event queries in a row after a
-# moved save's copy, on an H200's host some 3 us each with the Python
-# around them. A drain on the way out or from a finalizer only releases.
+# get, and the finalizer's) would make nine event queries in a row after a
+# moved save's copy, microseconds each with the Python around them. A
+# drain on the way out or from a finalizer only releases.
 
 
 #: The smallest rebuilt tensor :meth:`TierManager.empty` gives memory of the

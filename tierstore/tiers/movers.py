@@ -77,8 +77,8 @@ _LIVENESS_S = 0.25
 # Every record's payload is hashed on the way out and checked on the way back
 # in (NOTE [ Record integrity ] in codec.py). Done inside a record's executor
 # job, the hash keeps that I/O worker from its next syscall, so the disk sees
-# fewer requests in flight for as long (9-13% of the file row's write+read
-# time in `tierstore bench storage`, issue 35). So uncompressed records
+# fewer requests in flight for as long (about a tenth of the file backend's
+# write+read time). So uncompressed records
 # hash on a thread of their own, the store's one hasher (tierstore-hash),
 # beside the workers' I/O; xxh3 releases the GIL for large buffers, so the
 # two run at once on two cores.
@@ -90,10 +90,10 @@ _LIVENESS_S = 0.25
 # * Read: the worker reads the record and compares the header, then hands the
 #   payload to the hasher and takes the next read; the hasher checks the
 #   checksum, and only then is the read's future done. So nothing reaches the
-#   caller unchecked, with the same CorruptDataError as before, and a check
+#   caller unchecked, with the same CorruptDataError a worker's check raises, and a check
 #   never waits behind other reads' I/O (one thread, and hashing is ten times
 #   the disk's rate).
-# A zstd record is hashed in its worker's job, as before: its payload is made
+# A zstd record is hashed in its worker's job: its payload is made
 # (or decompressed) there, and decompression is too slow to queue on one
 # thread. Both jobs take their buffer out of a list, as _store does, so that
 # the hasher keeps no reference once its future is done. close() shuts the

@@ -49,17 +49,16 @@ __all__ = ["ReadAhead"]
 # unpack of an entry that never left the device (or of a rebuilt tensor's
 # inputs, which come through get() too) tops up the window all the same
 # (passed()): otherwise the first host or disk entry after a run of device
-# entries was always a miss. Hits and misses: NOTE [ Hits ].
+# entries would always be a miss. Hits and misses: NOTE [ Hits ].
 #
 # What the window's limit bounds is memory backward holds from the store at
 # once, not only reads in flight: a read stays charged to it after backward
 # takes it, for as long as the tensor lives (autograd drops it once its node
 # has run; a recompute recipe may keep an input for that input's own unpack,
 # and its rebuilt tensor, which comes from the store too, is charged the same
-# way; see hold()). Counting only reads in flight let those held tensors sit
-# on top of a full window: with recompute, the inputs a rebuild had just read
-# ahead of their own unpacks and the rebuilt tensor stood 56 MiB above the
-# most the pool ever held without recompute in bench train's GPT. While held
+# way; see hold()). Counting only reads in flight would let those held
+# tensors sit on top of a full window: with recompute, the inputs a rebuild
+# has just read ahead of their own unpacks, and the rebuilt tensor. While held
 # tensors fill the limit, one read is still kept in flight, so backward
 # always has the next entry coming (none with prefetch_bytes=0, which turns
 # read-ahead off).
@@ -70,8 +69,8 @@ __all__ = ["ReadAhead"]
 # query, which never blocks). An entry still in memory, or already read back
 # for another handle, is a hit too. Anything else is a miss: read or copied
 # on demand, or read ahead but not there yet. Counting a prefetch as a hit
-# when it was issued, as before, reported 93% hits over copies that backward
-# still waited for. One rule, arrived(), judges both the disk path and the
+# when it is issued would count hits over copies that backward still waits
+# for. One rule, arrived(), judges both the disk path and the
 # CUDA copies, so the CPU tests that drive the disk path check the rule the
 # GPU runs.
 # A miss whose bytes are not there is a stall, and a stall grows the window
@@ -81,10 +80,9 @@ __all__ = ["ReadAhead"]
 # the window's making (nothing could have read it ahead) and does not grow
 # it; nor does a wait for any read the first unpack's top-up sent out. Those
 # reads left the moment backward began, behind the writes forward had just
-# queued, and a larger window would only have queued more behind them. In
-# bench train's GPT every step after the first waited about 0.1 s at its
-# third or fifth unpack, for such a read, and nowhere else: counted as
-# stalls, those waits kept the window at prefetch_bytes, step after step.
+# queued, and a larger window would only have queued more behind them.
+# Such a wait comes early in every step's backward; counted as stalls,
+# those waits would hold the window at prefetch_bytes, step after step.
 _START_BYTES = 16 << 20
 _MIN_BYTES = 4 << 20
 

@@ -17,8 +17,9 @@ __all__ = ["InFlightLimit"]
 
 # NOTE [ In-flight sizing ]
 # Bytes in flight are memory: a read-ahead window and a write queue of a
-# fixed 256 MiB each kept 0.4x of a model's activations resident, whatever
-# the disk's speed. Each is sized instead by what the step needs, learnt as
+# fixed size (256 MiB each) can keep a large share of a model's activations
+# resident, whatever the disk's speed. Each is sized instead by what the
+# step needs, learnt as
 # the store runs, with the setting (prefetch_bytes, write_queue_bytes) as its
 # upper bound:
 #   * it starts small (start_bytes);
@@ -37,12 +38,9 @@ __all__ = ["InFlightLimit"]
 # downwards is a wait of the compute stream. So backward in a planned step
 # reads ahead by its plan's window exactly (hold_to(..., exact=True)), and
 # the learnt limit goes on learning underneath, for the steps that follow no
-# plan. On an H200 a budget's plan (64.5 MiB offloaded from each block, a
-# 128 MiB window) ran at its prediction for five steps and then 10-15% over
-# it, stable: the learnt limit shrinking below the window is the likely
-# cause, not measured on a GPU since. On bench's tiny CPU GPT a plan's
-# backward whose learnt limit stood below the window read ahead by 4, 8,
-# 16 KiB and on, doubling at each late read, against a 124 KiB window.
+# plan. A plan's backward held to a learnt limit below its window would
+# read ahead in small steps, doubling only at each late read, far short of
+# the window it was priced with, and run over its prediction.
 
 
 class InFlightLimit:

@@ -61,9 +61,9 @@ __all__ = ["DeviceCopy", "HostCopy", "Transfers", "page_fault_s"]
 # Transfers.consume): no host synchronisation anywhere. Why the consumer's
 # stream: the caching allocator keeps a pool per stream and never hands a
 # block freed on one stream to another, so reloads allocated on the h2d
-# stream (as before) built a second pool beside the compute stream's that
-# nvidia-smi showed as reserved: 1.38x no offload's on an H200 at a budget
-# that moved nothing, left by the warm-up and profiled steps. The wait on
+# stream would build a second pool beside the compute stream's, reserved
+# memory that nvidia-smi shows and that the warm-up and profiled steps leave
+# behind even under a budget that moves nothing. The wait on
 # the allocation costs little: a prefetch is issued at an earlier unpack,
 # so the copy waits only for the compute queued before that unpack and runs
 # beside the compute after it.
@@ -565,9 +565,9 @@ def _on(
 
     For a stream of the current device, what ``torch.cuda.stream(stream)``
     does without the two lookups of the current device it makes (each
-    reads ``torch.cuda.is_available()``): 8.8 us a context on an H200's
-    host, against 1.3 for the two calls of :class:`_On`
-    (benchmarks/gpu_host.py). Setting a stream of another device makes that
+    reads ``torch.cuda.is_available()``), several times the cost of the two
+    calls of :class:`_On` (benchmarks/gpu_host.py times both). Setting a
+    stream of another device makes that
     device the current one, which ``torch.cuda.stream`` undoes.
     """
     if stream.device_index != torch.cuda.current_device():
@@ -594,7 +594,7 @@ def _traced(name: str) -> contextlib.AbstractContextManager[object]:
     """A profiler range named ``name`` while a profiler runs; else nothing.
 
     A ``record_function`` costs a dispatcher call each way even with no
-    profiler (6 us a copy on a 2-vCPU VM), and every moved save makes a copy
+    profiler (microseconds a copy), and every moved save makes a copy
     each way.
     """
     if torch._C._autograd._profiler_enabled():
@@ -610,8 +610,8 @@ def _timing_event(stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
 
 
 #: Cycles of the spin that keeps a profiled stream busy: about half a millisecond
-#: at an H200's clock, longer than the host takes to launch one op (about 0.1 ms
-#: through the recorder, measured on one).
+#: at a clock near 2 GHz, longer than the host takes to launch one op through the
+#: recorder (about 0.1 ms).
 KEEP_BUSY_CYCLES = 1_000_000
 
 

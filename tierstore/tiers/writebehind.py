@@ -50,8 +50,8 @@ __all__ = ["WriteBehind"]
 # On a CPU, a saved tensor queued for the disk would keep the caller's own
 # memory until its write ends: forward goes on allocating around it, and
 # glibc, which hands freed heap memory back only from the top of the heap,
-# keeps what it grew to (measured: forward's RSS ~50-120 MiB above a hook
-# that writes synchronously, with the same live bytes). So a write queued
+# keeps what it grew to (forward's RSS stands above that of a hook that
+# writes synchronously, with the same live bytes). So a write queued
 # behind forward first copies the span into a leased buffer
 # (Transfers.stage; NOTE [ Leased buffers ] in tierstore/tiers/host_pool.py)
 # and lets go of the original, as a D2H copy does on CUDA: the caller's
@@ -64,7 +64,7 @@ __all__ = ["WriteBehind"]
 # file backend's O_DIRECT path moves it without a bounce copy (NOTE [ File
 # backend O_DIRECT ]). Spans that are already a copy (a compact copy of a view, a
 # pinned block) and CPU entries of the host tier are not copied again; a
-# full pool writes from the original, as before. With no queue at all
+# full pool writes from the original, unstaged. With no queue at all
 # (write_queue_bytes=0, or a plan's SYNCHRONOUS window: NOTE [ Planning ] in
 # tierstore/planning/planner.py) nothing is staged: the save waits, with the lock
 # released, for its own write from the caller's memory, which forward holds
