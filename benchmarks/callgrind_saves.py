@@ -11,7 +11,7 @@ under one row's hooks: warm-up steps, then ``--steps`` steps inside
 
 Rows: ``none``, ``identity``, ``floor`` (bench overhead's), ``kept``
 (``device_budget="64GiB"``), ``kept-measured`` (the same store with no step
-repeated: NOTE [ Quiet blocks ] in tierstore/tier_store.py). A row's
+repeated: NOTE [ Quiet blocks ] in tierstore/autograd/quiet.py). A row's
 instructions per save over no hooks: (its ``Collected`` less ``none``'s) /
 (steps x 600). It takes about a minute and a half per row.
 """

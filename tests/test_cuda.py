@@ -436,7 +436,7 @@ def test_a_save_put_on_the_host_tier_starts_its_copy_at_once() -> None:
 
 
 def test_a_block_the_plan_keeps_whole_runs_without_hooks_on_cuda(tmp_path: Path) -> None:
-    # NOTE [ Modules kept whole ] in tierstore/tier_store.py: on a GPU, the hooks' Python per
+    # NOTE [ Modules kept whole ] in tierstore/autograd/regions.py: on a GPU, the hooks' Python per
     # save is what a step waits on.
     def blocks() -> nn.Sequential:
         torch.manual_seed(0)

@@ -3,7 +3,7 @@
 For each fault: the error the user sees, then afterwards no hooks left
 installed, no threads left running once the store is closed, no files left,
 and the store either still usable (gradients bitwise equal to eager) or
-clearly closed. NOTE [ Failed writes ] in tierstore/tiers/manager.py and NOTE [ A dead
+clearly closed. NOTE [ Failed writes ] in tierstore/tiers/writebehind.py and NOTE [ A dead
 I/O thread ] in tierstore/tiers/movers.py say what the store does.
 """
 

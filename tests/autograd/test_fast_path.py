@@ -5,7 +5,7 @@ gets no entry, handle, finalizer or dedupe key; these tests hold it to
 every promise of the full path: bitwise gradients, the in-place check,
 retain_graph and double backward, threads, keep() regions, and stats that
 add up. A step that repeats one whose saves all stayed skips even that
-(NOTE [ Quiet blocks ] in tier_store.py); here none does, and
+(NOTE [ Quiet blocks ] in autograd/quiet.py); here none does, and
 tests/autograd/test_quiet.py holds those.
 """
 
@@ -270,7 +270,7 @@ def test_a_plan_that_keeps_everything_holds_no_entry_and_measures_its_peak(
     store.close()
 
 
-# -- modules the plan keeps whole (NOTE [ Modules kept whole ] in tier_store.py) ------------
+# -- modules the plan keeps whole (NOTE [ Modules kept whole ] in autograd/regions.py) ------------
 
 
 class _Block(torch.nn.Module):

@@ -1447,7 +1447,7 @@ def test_the_table_has_a_row_per_block_under_offload_module(
     # Issue 34, item 6: with offload_module on each block, the rows were the
     # blocks' submodules summed over every block (Block.fc1, Block, ...): the
     # names came from a tracker entered inside a block's forward. They come
-    # from the stack now (NOTE [ Naming modules ] in tier_store.py).
+    # from the stack now (NOTE [ Naming modules ] in autograd/names.py).
     store = budget_store(0.5)
     model = Net(torch.nn.GELU())
     handles = [tierstore.offload_module(b, store=store) for b in model.blocks]

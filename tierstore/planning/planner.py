@@ -199,7 +199,7 @@ def hands_heap_back(profile: Profile, choices: Sequence[Choice]) -> bool:
 def kept_whole(profile: Profile, choices: Sequence[Choice]) -> tuple[tuple[str, int, int], ...]:
     """The modules ``choices`` keeps every save of, each with its saves ``[first, end)``.
 
-    NOTE [ Modules kept whole ] in tier_store.py: their saves need no hook. The
+    NOTE [ Modules kept whole ] in autograd/regions.py: their saves need no hook. The
     outermost modules first (a plan that keeps everything keeps the model
     whole), then the blocks outside them. Not a module where keep() stored
     a save: the hook carries that out. Nor one that holds an input of a
@@ -340,7 +340,7 @@ class Save:
         graph: its op runs again from what the autograd graph holds, with
             no recorder, where the plan rebuilds none of its ``inputs``
             (:func:`from_graph`; NOTE [ Rebuilt from the graph ] in
-            tierstore/autograd/recompute.py).
+            tierstore/autograd/graph.py).
     """
 
     nbytes: int
@@ -425,7 +425,7 @@ class Profile:
 
     @cached_property
     def root_spans(self) -> tuple[tuple[str, int, int], ...]:
-        """:attr:`spans` by outermost module (NOTE [ Modules kept whole ] in tier_store.py)."""
+        """:attr:`spans` by outermost module (NOTE [ Modules kept whole ], autograd/regions.py)."""
         return self._spans_of(tuple(save.root for save in self.saves))
 
     def _spans_of(self, modules: tuple[str, ...]) -> tuple[tuple[str, int, int], ...]:

@@ -127,7 +127,7 @@ class _Step:
     largest: int = 0  # the largest save so far
     passed: set[int] = field(default_factory=set)  # the first saves of the modules gone past
     # A profiled step's saves outside the plan, per (module, why): [count, bytes];
-    # and the modules where keep() stored one (NOTE [ Modules kept whole ] in tier_store.py).
+    # and the modules where keep() stored one (NOTE [ Modules kept whole ] in autograd/regions.py).
     stays_in: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     stored_in: set[str] = field(default_factory=set)
 

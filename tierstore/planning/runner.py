@@ -243,7 +243,7 @@ class PlanRunner(StepLimits):
 
         A step that switches mid-way to a plan that rebuilds finds no recipe
         for those saves and offloads them instead (NOTE [ Planned saves ] in
-        tier_store.py): no dispatch mode runs on the ops of a step that rebuilds
+        autograd/hooks.py): no dispatch mode runs on the ops of a step that rebuilds
         nothing.
         """
         return self.plan is not None and "rebuild" in self.plan.choices
@@ -352,7 +352,7 @@ class PlanRunner(StepLimits):
         Its saves then never reach the pack hook: a module checkpointed
         natively (NOTE [ Replayed modules ] in planning/planner.py; checkpoint's own
         hooks take them, the first, its input, kept), or one the plan keeps
-        whole (NOTE [ Modules kept whole ] in tier_store.py). Only a planned step
+        whole (NOTE [ Modules kept whole ] in autograd/regions.py). Only a planned step
         on ``plan``, at the module's first save, goes past (``"past"``); a
         module called again in the step (the saves of all its calls one span
         in the profile, all counted the first time) goes past ``"again"``.
@@ -379,7 +379,7 @@ class PlanRunner(StepLimits):
         """A save outside the plan, in ``modules``: one that stays (``why``), or ``"stored"``.
 
         Written down, for each of the (distinct) modules, in a profiled step
-        only (NOTE [ Modules kept whole ] in tier_store.py).
+        only (NOTE [ Modules kept whole ] in autograd/regions.py).
         """
         step = self._step
         if step is None or not step.profiling:

@@ -28,7 +28,7 @@ from tierstore.tiers.limits import Limits
 
 __all__ = ["QUIET_ROOM", "SaveCounts"]
 
-#: NOTE [ Quiet blocks ] in tier_store.py: a block repeats the one before only
+#: NOTE [ Quiet blocks ] in autograd/quiet.py: a block repeats the one before only
 #: where that one's bytes fit this many times in the room device_budget leaves.
 QUIET_ROOM = 8
 
@@ -104,7 +104,7 @@ class SaveCounts:
     def stayed_as_before(self, tally: PackTally) -> bool:
         """A quiet block's saves, counted as those of the block it repeats (``tally``).
 
-        NOTE [ Quiet blocks ] in tier_store.py: only where device_budget's saves may
+        NOTE [ Quiet blocks ] in autograd/quiet.py: only where device_budget's saves may
         stay this step (NOTE [ Saves that stay ] in tiers/manager.py) and the
         repeated block's fit :data:`QUIET_ROOM` times over in the room left;
         else ``False``, and nothing is counted.

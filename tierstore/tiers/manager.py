@@ -96,7 +96,7 @@ __all__ = ["POOLED_MIN_BYTES", "QUIET_ROOM", "TierManager", "resting_nbytes"]
 # harvests writes); a plan's are not taken save by save at all: every save
 # of a step before it left its plan took the plan's choice, so the runner
 # reads them off the plan (PlanRunner.kept); in a module the plan keeps
-# whole, no hook runs at all (NOTE [ Modules kept whole ] in tier_store.py). No
+# whole, no hook runs at all (NOTE [ Modules kept whole ] in autograd/regions.py). No
 # entry, handle, finalizer, dedupe key or schedule slot: autograd holds the
 # tensor itself, so it lives exactly as long as eager autograd would keep
 # it, and nothing needs releasing. What that skips is safe to skip:
@@ -115,7 +115,7 @@ __all__ = ["POOLED_MIN_BYTES", "QUIET_ROOM", "TierManager", "resting_nbytes"]
 #     bytes in flight; the peak is taken as backward begins (backward_began).
 # A step that repeats one whose saves all stayed skips even the decision and
 # the count: its block runs without hooks after its first save, counted as
-# the block it repeats (stayed_as_before; NOTE [ Quiet blocks ] in tier_store.py).
+# the block it repeats (stayed_as_before; NOTE [ Quiet blocks ] in autograd/quiet.py).
 
 # NOTE [ Reads from backward's start ]
 # Backward's reads ahead go out from backward's start, not from its first
@@ -485,7 +485,7 @@ class TierManager:
     def stayed_as_before(self, tally: PackTally) -> bool:
         """A quiet block's saves, counted as those of the block it repeats (``tally``).
 
-        NOTE [ Quiet blocks ] in tier_store.py; :meth:`SaveCounts.stayed_as_before
+        NOTE [ Quiet blocks ] in autograd/quiet.py; :meth:`SaveCounts.stayed_as_before
         <tierstore.tiers.counts.SaveCounts.stayed_as_before>`.
         """
         return self._counts.stayed_as_before(tally)

@@ -434,7 +434,7 @@ class Transfers:
         """Whether D2H copies still under way hold more than ``cap_bytes``; never waits.
 
         What has landed was let go of by the last :meth:`settle` (an event
-        query each); NOTE [ Copies in flight ] in tierstore/tiers/manager.py says what
+        query each); NOTE [ Copies in flight ] in tierstore/tiers/inflight.py says what
         the caller does instead of waiting.
         """
         return self.copying_bytes > cap_bytes
