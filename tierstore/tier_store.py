@@ -1,8 +1,10 @@
-"""The autograd boundary: saved-tensor hooks, what not to offload, and the public store.
+"""The public store: :class:`TierStore`, which wires the layers below together.
 
-This layer knows autograd and nothing about bytes. Its pack hook decides
-whether a saved tensor is worth offloading and hands it to the tier manager;
-its unpack hook asks for it back.
+A store owns a tier manager (:mod:`tierstore.tiers`) and, under
+``activation_budget``, a plan's runner (:mod:`tierstore.planning`), and hands
+the manager its limits through the runner. Each ``offload()`` block pushes
+the store's saved-tensor hooks (:mod:`tierstore.autograd.hooks`) and keeps the
+block's state: quiet blocks, a plan's regions, the recorder, the step log.
 
 Example:
     >>> import torch, tierstore
