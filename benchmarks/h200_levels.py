@@ -31,7 +31,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from tierstore.planning import planner
+from tierstore.planning import planner, simulation
 from tierstore.planning.planner import Choice, Profile, Save, make_plan, simulate
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -72,7 +72,7 @@ def main() -> int:
     p.add_argument("--row", default="budget=0.84", help="the row whose profile is planned")
     p.add_argument("--norms-from-graph", action="store_true")
     args = p.parse_args()
-    planner.YIELD_BETWEEN_SIMULATIONS = False
+    simulation.YIELD_BETWEEN_SIMULATIONS = False
     for path in args.runs:
         rows = {r["row"]: r for r in json.loads(Path(path).read_text())["rows"]}
         profile = profile_of(rows[args.row]["plan"]["profile_all"])

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tierstore.planning import planner
+from tierstore.planning.plan_types import _size
 from tierstore.planning.planner import (
     _CHOICES,
     ONE_AT_A_TIME,
@@ -20,7 +21,6 @@ from tierstore.planning.planner import (
     Profile,
     Save,
     _MoveBounds,
-    _size,
     floor_bytes,
     from_graph,
     hands_heap_back,

@@ -43,6 +43,7 @@ from tierstore.planning import planner
 from tierstore.planning import process as plan_process
 from tierstore.planning import recorder as plan_recorder
 from tierstore.planning import runner as plans
+from tierstore.planning import simulation as plan_simulation
 from tierstore.planning import timers as plan_timers
 from tierstore.planning import worker as plan_worker
 from tierstore.planning.checker import REFIT_STEPS
@@ -1607,12 +1608,12 @@ def test_a_search_yields_between_simulations_only_beside_the_training_thread(
     # away on a busy machine: the small model's first plan came at steps 9-23,
     # and at steps 6-8 without).
     calls: list[float] = []
-    monkeypatch.setattr(planner.time, "sleep", calls.append)
-    monkeypatch.setattr(planner, "YIELD_BETWEEN_SIMULATIONS", yields)
+    monkeypatch.setattr(plan_simulation.time, "sleep", calls.append)
+    monkeypatch.setattr(plan_simulation, "YIELD_BETWEEN_SIMULATIONS", yields)
     saves = tuple(Save(1 << 20, "aten.mm", f"m.{i}", 0.01 * i, 0.01 * (4 - i)) for i in range(4))
     make_plan(Profile(saves, 0.04, 0.08, 0.0, 2e8, 3e8, 2 << 20), 2 << 20)
     assert bool(calls) is yields
-    assert "planner.YIELD_BETWEEN_SIMULATIONS = False" in Path(plan_worker.__file__).read_text()
+    assert "simulation.YIELD_BETWEEN_SIMULATIONS = False" in Path(plan_worker.__file__).read_text()
 
 
 def test_the_planning_worker_imports_neither_torch_nor_the_package() -> None:
@@ -1624,10 +1625,10 @@ def test_the_planning_worker_imports_neither_torch_nor_the_package() -> None:
         import runpy, sys
         runpy.run_path(sys.argv[1], run_name="__main__")  # its input closed: no request
         print("torch" in sys.modules, "tierstore" in sys.modules)
-        print("tierstore.planning.planner" in sys.modules)
+        print(all(f"tierstore.planning.{m}" in sys.modules for m in sys.argv[2:]))
     """
     out = subprocess.run(
-        [sys.executable, "-I", "-c", script, plan_process.WORKER],
+        [sys.executable, "-I", "-c", script, plan_process.WORKER, *plan_worker.PURE_MODULES],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,

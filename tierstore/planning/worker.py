@@ -3,11 +3,11 @@
 :class:`~tierstore.planning.process.PlanningProcess` runs this file by its
 path (``python -I worker.py``), so that a start costs an interpreter and
 the planner, not ``import tierstore`` (whose ``__init__`` imports torch).
-Run so, it loads ``planner.py`` from beside it, by path; imported as part of
-the package (tests, type checks) it imports
-:mod:`tierstore.planning.planner`. It reads a profile and a budget as JSON
-lines and writes each plan's choices and figures back, one line each, until
-its input closes. JSON, not pickle: nothing tierstore reads can run code
+Run so, it loads the planner's pure modules (:data:`PURE_MODULES`) from
+beside it, by path, each under its full name; imported as part of the
+package (tests, type checks) it imports them. It reads a profile and a
+budget as JSON lines and writes each plan's choices and figures back, one
+line each, until its input closes. JSON, not pickle: nothing tierstore reads can run code
 (tests/test_security.py). NOTE [ Planning off the training thread ] in
 planning/checker.py says why plans are made in a process.
 
@@ -34,18 +34,27 @@ import sys
 from collections.abc import Iterable
 from typing import IO, TYPE_CHECKING, Any
 
-if TYPE_CHECKING or __package__:
-    from tierstore.planning import planner
-else:  # run by path: the planner beside this file, without the package above it
-    _spec = importlib.util.spec_from_file_location(
-        "tierstore.planning.planner",
-        os.path.join(os.path.dirname(os.path.abspath(__file__)), "planner.py"),
-    )
-    planner = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = planner  # before it runs: its dataclasses look it up
-    _spec.loader.exec_module(planner)
+#: The planner's modules, each before those that import it: all pure (the
+#: standard library and one another, by their full names).
+PURE_MODULES = ("plan_types", "simulation", "planner")
 
-__all__ = ["PLAN_FIELDS", "main", "plan_of", "serve"]
+if TYPE_CHECKING or __package__:
+    from tierstore.planning import planner, simulation
+else:  # run by path: the modules beside this file, without the package above them
+    for _name in PURE_MODULES:
+        _spec = importlib.util.spec_from_file_location(
+            f"tierstore.planning.{_name}",
+            os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{_name}.py"),
+        )
+        _module = importlib.util.module_from_spec(_spec)
+        # Before it runs: its dataclasses look it up, and a later module's
+        # "from tierstore.planning.<name> import" finds it here, importing no package.
+        sys.modules[_spec.name] = _module
+        _spec.loader.exec_module(_module)
+    planner = sys.modules["tierstore.planning.planner"]
+    simulation = sys.modules["tierstore.planning.simulation"]
+
+__all__ = ["PLAN_FIELDS", "PURE_MODULES", "main", "plan_of", "serve"]
 
 #: The figures of a plan sent back, beside its choices (the profile stays with the caller).
 PLAN_FIELDS = (
@@ -103,7 +112,7 @@ def main() -> None:
         >>> callable(main)  # run as ``python -I worker.py``; it reads stdin until it closes
         True
     """
-    planner.YIELD_BETWEEN_SIMULATIONS = False  # nothing else runs here
+    simulation.YIELD_BETWEEN_SIMULATIONS = False  # nothing else runs here
     with contextlib.suppress(OSError):
         os.nice(10)
     serve(sys.stdin, sys.stdout)
