@@ -514,8 +514,8 @@ def test_keyboard_interrupt_while_forward_waits_for_the_disk(root: Path) -> None
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         signal.signal(signal.SIGINT, handler)
     assert interrupted
-    assert store._manager._lock.acquire(timeout=1)  # not left held
-    store._manager._lock.release()
+    assert store._manager._releases.lock.acquire(timeout=1)  # not left held
+    store._manager._releases.lock.release()
     assert _no_hooks()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # and no write failed on the way

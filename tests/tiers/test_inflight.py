@@ -442,7 +442,7 @@ def _manager(spill_root: Path, **overrides: Any) -> Iterator[TierManager]:
 def _outstanding(m: TierManager) -> int:
     """What the window's limit bounds now, once dropped tensors are collected."""
     gc.collect()
-    with m._lock:
+    with m._releases.lock:
         return m._reads.outstanding_bytes()
 
 
@@ -457,7 +457,7 @@ def test_tensors_backward_still_holds_count_against_the_window(spill_root: Path)
         kept = []
         for n, h in enumerate(reversed(handles), 1):
             kept.append(m.get(h))
-            with m._lock:
+            with m._releases.lock:
                 assert m._reads.held_bytes == n * 64 << 10
                 assert m._reads.window_bytes == (0 if n == 8 else max(256 - 64 * n, 64) << 10)
         assert [float(t[0]) for t in kept] == [7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0]

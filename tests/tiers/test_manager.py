@@ -197,10 +197,10 @@ def test_dedupe_same_view_and_not_other_versions(spill_root: Path) -> None:
 def test_release_while_locked_is_deferred(spill_root: Path) -> None:
     mgr = _manager(spill_root, device_budget=0, host_budget="1MiB", disk_budget=0)
     h = mgr.put(torch.randn(256))
-    with mgr._lock:
+    with mgr._releases.lock:
         del h  # the finalizer runs now, cannot take the lock, and queues the key
         gc.collect()
-        assert len(mgr._pending) == 1
+        assert len(mgr._releases.pending) == 1
         assert mgr._tiers["host"].bytes == 1024
     assert mgr.stats().tiers["host"].entries == 0  # drained by the next call
     mgr.close()

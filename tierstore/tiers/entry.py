@@ -25,13 +25,26 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierstore import codec
+from tierstore.errors import modified_in_place
 from tierstore.stats import Tier
 
 if TYPE_CHECKING:
+    from tierstore.tiers.handle import Handle
     from tierstore.tiers.host_pool import HostBlock
     from tierstore.tiers.movers import Record
 
-__all__ = ["Entry", "TierState"]
+__all__ = ["Entry", "TierState", "check_version"]
+
+# NOTE [ Version check ]
+# Eager autograd raises at backward if a saved tensor was modified in place.
+# An entry checks the version counter of (a) the tensor that was saved and
+# its base, through weak references: while anything keeps them alive they
+# can be modified; and (b) its own probe, an alias it holds while its bytes
+# are the caller's memory. When the bytes are copied (to disk, or off the
+# device), a probe whose version moved marks the entry stale: the copy holds
+# modified values, and get() raises as eager would. Not seen: a modification
+# through a detach()ed alias once both the saved tensor and our alias are
+# gone, since nothing shares a version counter without sharing the memory.
 
 
 class Entry:
@@ -80,7 +93,7 @@ class Entry:
         self.layout: codec.Layout | None = None
         self.record: Record | None = None
         self.footprint = 0
-        # NOTE [ Version check ] (tierstore/tiers/manager.py): a tensor sharing the
+        # NOTE [ Version check ]: a tensor sharing the
         # saved tensor's version counter, kept while our bytes alias the
         # caller's memory; when we copy them, a version other than the one at
         # pack marks the entry stale, since the copy then holds modified values.
@@ -195,3 +208,12 @@ class TierState:
         if len(self.heap) > 2 * len(self.entries) + 64:
             # Released entries leave stale keys behind; rebuild before they pile up.
             self.heap = sorted(self.entries)
+
+
+def check_version(entry: Entry, handle: Handle) -> None:
+    """Raise as eager autograd would if the saved tensor changed (NOTE [ Version check ])."""
+    aliases = (entry.probe, *handle.sources())
+    versions = [entry.stale, *(a._version for a in aliases if a is not None)]
+    for version in versions:
+        if version is not None and version != handle.version:
+            raise modified_in_place(handle.shape, handle.dtype, version, handle.version)

@@ -1,4 +1,4 @@
-"""The tier manager: budgets, placement, demotion, deduplication, the version check, release.
+"""The tier manager: a tensor put in the tiers within their budgets, and got back.
 
 It knows tensors and budgets, not autograd: :meth:`TierManager.put` takes a
 tensor and returns a :class:`~tierstore.tiers.handle.Handle`, :meth:`TierManager.get`
@@ -6,7 +6,10 @@ gives the tensor back. The autograd boundary (``tierstore.tier_store``) decides
 which tensors to hand it. What is in flight has a module each, called under
 this manager's lock: ``readahead`` (the prefetch window), ``writebehind``
 (the disk write queue) and ``transfers`` (host buffers and CUDA copies);
-``pipeline`` moves bytes to and from the disk.
+``movers`` moves bytes to and from the disk. Where an entry rests is
+``placement``'s; its deduplication ``dedupe``'s, its version check
+``entry``'s, its release and the lock itself ``release``'s; the figures of
+:meth:`TierManager.stats` are ``figures``'.
 
 Example:
     >>> import torch
@@ -31,10 +34,7 @@ import dataclasses
 import itertools
 import math
 import os
-import threading
 import weakref
-from collections import deque
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -44,11 +44,12 @@ from tierstore.config import TierConfig
 from tierstore.errors import (
     StoreClosedError,
     TierstoreError,
-    modified_in_place,
 )
-from tierstore.stats import TIERS, PackTally, Stats, Tier, TierStats
+from tierstore.stats import TIERS, PackTally, Stats, Tier
 from tierstore.tiers.counts import QUIET_ROOM, SaveCounts
-from tierstore.tiers.entry import Entry, TierState
+from tierstore.tiers.dedupe import Dedupe, dedupe_key_of
+from tierstore.tiers.entry import Entry, TierState, check_version
+from tierstore.tiers.figures import Figures
 from tierstore.tiers.forks import forked_message, leave_to_parent
 from tierstore.tiers.handle import Handle
 from tierstore.tiers.inflight import InFlight
@@ -56,33 +57,12 @@ from tierstore.tiers.limits import Limits, Measures
 from tierstore.tiers.movers import LinkClock, Pipeline
 from tierstore.tiers.placement import TierPlacement
 from tierstore.tiers.readahead import ReadAhead
+from tierstore.tiers.release import Releases
 from tierstore.tiers.schedule import Schedule
 from tierstore.tiers.transfers import Transfers
 from tierstore.tiers.writebehind import WriteBehind
 
 __all__ = ["POOLED_MIN_BYTES", "QUIET_ROOM", "TierManager", "resting_nbytes"]
-
-# NOTE [ Version check ]
-# Eager autograd raises at backward if a saved tensor was modified in place.
-# An entry checks the version counter of (a) the tensor that was saved and
-# its base, through weak references: while anything keeps them alive they
-# can be modified; and (b) its own probe, an alias it holds while its bytes
-# are the caller's memory. When the bytes are copied (to disk, or off the
-# device), a probe whose version moved marks the entry stale: the copy holds
-# modified values, and get() raises as eager would. Not seen: a modification
-# through a detach()ed alias once both the saved tensor and our alias are
-# gone, since nothing shares a version counter without sharing the memory.
-
-# NOTE [ Deduplication under threads ]
-# The same storage, view and version saved again shares its entry: the
-# lookup and the new reference are one step under the lock, and a release
-# queued by a finalizer meanwhile is drained only after it (the entry then
-# still has the new reference). put() may release the lock after a miss
-# (backpressure waits for the write queue), and another thread may save the
-# same tensor then: so put() looks again once it has the lock back, rather
-# than store the bytes twice. Two entries can still share a dedupe key (a
-# freed storage's address reused, the weak reference dead): a release then
-# removes the registration only if it is its own.
 
 # NOTE [ Saves that stay ]
 # On a GPU the step is often bound by the CPU that launches its kernels, so a
@@ -130,23 +110,6 @@ __all__ = ["POOLED_MIN_BYTES", "QUIET_ROOM", "TierManager", "resting_nbytes"]
 # kept save as at a stored one) begins the reads: the schedule's order, the
 # window's bound, and a top-up, whose reads count as the first unpack's
 # (NOTE [ Hits ] in tierstore/tiers/readahead.py).
-
-# NOTE [ Deferred release ]
-# A Handle's finalizer can run at any moment: in another thread, or in this
-# one while put() holds the lock (a garbage collection triggered inside put).
-# Releasing then would mutate the tier tables mid-update. So the finalizer
-# releases only when it can take the lock without waiting; otherwise it
-# queues the key, and whoever holds the lock drains the queue on the way out.
-# Releasing is bookkeeping only: a disk record is deleted on the I/O thread
-# (NOTE [ Deletes on the I/O thread ] in tiers/movers.py), never under this lock.
-# What the movers finished (D2H copies that ended: Transfers.settle; writes
-# that landed: WriteBehind.harvest) is settled once, as the lock is taken,
-# not at every drain: on CUDA each settle queries the events of the copies
-# under way, and five drains a save (the lock's entry and exit in put and
-# get, and the finalizer's) would make nine event queries in a row after a
-# moved save's copy, microseconds each with the Python around them. A
-# drain on the way out or from a finalizer only releases.
-
 
 #: The smallest rebuilt tensor :meth:`TierManager.empty` gives memory of the
 #: store's own (NOTE [ Rebuilt tensors in the store's memory ] in autograd/recipes.py):
@@ -196,15 +159,13 @@ class TierManager:
 
     def __init__(self, config: TierConfig) -> None:
         self.config = config
-        self._lock = threading.Lock()
-        self._pending: deque[int] = deque()
         self._tiers: dict[Tier, TierState] = {
             "device": TierState(int(config.device_budget), {}, []),
             "host": TierState(int(config.host_budget), {}, []),
             "disk": TierState(int(config.disk_budget), {}, []),
         }
         self._entries: dict[int, Entry] = {}
-        self._dedupe: dict[tuple[object, ...], tuple[weakref.ref[object], int]] = {}
+        self._dedupe = Dedupe(self._entries)
         self._keys = itertools.count()
         self._pipeline = Pipeline(config)
         # The device link's clocks, fed by timed copies, read by a plan (NOTE [ Copies
@@ -221,13 +182,13 @@ class TierManager:
             self._transfers,
             self._schedule,
             self._entries,
+            host=self._tiers["host"],
             disk=self._tiers["disk"],
         )
         self._writes = WriteBehind(
             config, self._pipeline, self._transfers, self._tiers, self._entries
         )
         self._packed = 0  # saves that took the full path; kept ones are in the counts
-        self._deduplicated = 0
         self._placing = TierPlacement(
             self._tiers,
             pipeline=self._pipeline,
@@ -252,6 +213,27 @@ class TierManager:
             device=self._tiers["device"],
             links=links,
         )
+        # The lock over the tables above, and the releases deferred while it
+        # is held (NOTE [ Deferred release ] in tiers/release.py).
+        self._releases = Releases(
+            self._entries,
+            self._dedupe.keys,
+            self._tiers,
+            pipeline=self._pipeline,
+            transfers=self._transfers,
+            reads=self._reads,
+            writes=self._writes,
+        )
+        self._figures = Figures(
+            self._tiers,
+            counts=self._counts,
+            placing=self._placing,
+            pipeline=self._pipeline,
+            transfers=self._transfers,
+            reads=self._reads,
+            writes=self._writes,
+            flight=self._flight,
+        )
         self._closed = False
         # What stats() returns once close() has run.
         self._final: Stats | None = None
@@ -267,7 +249,7 @@ class TierManager:
         # finalizer's close of those returns at once: they are marked too).
         if self._parent is None:
             self._parent = os.getppid()
-        self._lock = threading.Lock()
+        self._releases.forked()
         self._closed = True
 
     # -- public --------------------------------------------------------------
@@ -279,7 +261,7 @@ class TierManager:
 
     def holds_entries(self) -> bool:
         """Whether a saved tensor still has an entry here (a backward may still need it)."""
-        with self._locked():
+        with self._releases.locked():
             return bool(self._entries)
 
     def check_open(self) -> None:
@@ -300,29 +282,30 @@ class TierManager:
         there or, when that tier's budget is 0, as far down as placement takes
         it; ``None`` starts at the fastest tier (NOTE [ Placement ]).
         """
-        with self._locked():
+        with self._releases.locked():
             self.check_open()
             self._writes.raise_failure()
             self._packed += 1
             storage = t.untyped_storage()
-            dedupe_key = _dedupe_key(t, storage)
-            entry = self._deduplicated_entry(dedupe_key, storage)
+            dedupe_key = dedupe_key_of(t, storage)
+            entry = self._dedupe.entry(dedupe_key, storage)
             if entry is not None:
                 self._counts.tallied(entry.tier, 0)
-                return self._handle(entry, t)
+                return self._releases.handle(entry, t)
             if self._schedule.unpacking:
                 self._flight.step_started(cpu=t.device.type == "cpu")
             size = resting_nbytes(t) if nbytes is None else nbytes
             # NOTE [ Copies in flight ] in tiers/inflight.py: what leaves the device waits
             # for room in flight, then the device tier's oldest move down to its budget.
-            cap = self._flight.make_room(size, self._unlocked)
+            cap = self._flight.make_room(size, self._releases.unlocked)
             copies_over = self._placing.device_to_budget(cap)
             self.check_open()  # closed by another thread while this one waited
-            # NOTE [ Deduplication under threads ]: saved meanwhile by another thread?
-            entry = self._deduplicated_entry(dedupe_key, storage)
+            # Saved meanwhile by another thread? (NOTE [ Deduplication under threads ]
+            # in tiers/dedupe.py)
+            entry = self._dedupe.entry(dedupe_key, storage)
             if entry is not None:
                 self._counts.tallied(entry.tier, 0)
-                return self._handle(entry, t)
+                return self._releases.handle(entry, t)
             entry = Entry(next(self._keys), t.detach(), size)
             stayed = self._counts.stayed_now()[1]
             if stayed:  # NOTE [ Saves that stay ]: the device tier holds the rest
@@ -335,21 +318,21 @@ class TierManager:
             self._entries[entry.key] = entry
             self._schedule.packed(entry.key, (dedupe_key[2], t.dtype))
             with contextlib.suppress(TypeError):  # storages that refuse weak references
-                self._dedupe[dedupe_key] = (weakref.ref(storage), entry.key)
+                self._dedupe.keys[dedupe_key] = (weakref.ref(storage), entry.key)
                 entry.dedupe_key = dedupe_key
             # Writes in flight (WriteBehind is true while any is) and none may
             # queue: this save waits for its own (NOTE [ Write staging ]).
             if self._writes and self._writes.synchronous:
                 try:
-                    self._writes.finish(self._unlocked)
+                    self._writes.finish(self._releases.unlocked)
                 except BaseException:  # Ctrl-C in the wait, say: no handle will release it
-                    self._release_locked(entry.key)
+                    self._releases.release_locked(entry.key)
                     raise
             if self.limits is not None:
                 self._note_resident()
                 if entry.tier != "device":
                     self._flight.let_go(size, entry.device)
-            return self._handle(entry, t)
+            return self._releases.handle(entry, t)
 
     # -- activation_budget (NOTE [ Planned steps ] in planning/runner.py) ---------------------
 
@@ -379,7 +362,7 @@ class TierManager:
         """The step ended: plan from its profile or measure the plan; (INFO line, warnings)."""
         runner = self.limits
         assert runner is not None
-        with self._locked():
+        with self._releases.locked():
             self._transfers.settle()  # the copies that ended count in the link's rates
             counts = self._counts
             with counts.lock:
@@ -393,18 +376,6 @@ class TierManager:
             said, runner.warnings = runner.warnings, []
             return line, said
 
-    def _deduplicated_entry(self, dedupe_key: tuple[Any, ...], storage: object) -> Entry | None:
-        """The live entry already holding this storage, view and version, with one more ref."""
-        hit = self._dedupe.get(dedupe_key)
-        # The weak reference proves it is the same storage, not a new one
-        # that happens to sit at a freed address.
-        if hit is None or hit[0]() is not storage:
-            return None
-        entry = self._entries[hit[1]]
-        entry.refs += 1
-        self._deduplicated += 1
-        return entry
-
     def get(self, handle: Handle) -> torch.Tensor:
         """The tensor ``handle`` refers to, on its original device, shape and strides.
 
@@ -414,11 +385,11 @@ class TierManager:
                 background write failed (its error is the ``__cause__``).
             StoreClosedError: the store was closed.
         """
-        with self._locked():
+        with self._releases.locked():
             self.check_open()
             self._writes.raise_failure()
             entry = self._entries[handle.key]
-            self._check_version(entry, handle)
+            check_version(entry, handle)
             limits = self.limits
             if limits is not None:  # NOTE [ Timing a profile ] in planning/timers.py
                 timer = limits.timer
@@ -427,39 +398,14 @@ class TierManager:
             if first:
                 self._flight.begin_reads()
             self._schedule.unpacked(entry.key)
-            got = self._fetch(entry, first)
+            got = self._reads.fetch(entry, first)
             if limits is not None:  # with this entry taken and the reads topped up
                 self._note_resident()
                 if entry.tier != "device":
                     self._flight.let_go(entry.nbytes, entry.device)
         if isinstance(got, torch.Tensor):
             return got
-        return self._reads.finish(entry, got, self._lock)  # waits outside the lock
-
-    def _fetch(
-        self, entry: Entry, first: bool
-    ) -> torch.Tensor | concurrent.futures.Future[torch.Tensor]:
-        """``entry``'s tensor, or the read to wait for with the lock released."""
-        if entry.tier == "device":
-            assert entry.tensor is not None
-            self._reads.passed(first=first)  # NOTE [ Prefetch ]
-            return entry.tensor
-        if entry.tier == "host":
-            span, layout = entry.span()
-            self._tiers["host"].read += entry.nbytes
-            if span.device == entry.device:  # CPU: the host tier is the device's memory
-                return codec.from_span(span, layout, self._transfers.allocator(span.device))
-            return self._reads.from_host(entry, span, layout, first=first)
-        return self._reads.from_disk(entry, first=first)
-
-    @staticmethod
-    def _check_version(entry: Entry, handle: Handle) -> None:
-        """Raise as eager autograd would if the saved tensor changed (NOTE [ Version check ])."""
-        aliases = (entry.probe, *handle.sources())
-        versions = [entry.stale, *(a._version for a in aliases if a is not None)]
-        for version in versions:
-            if version is not None and version != handle.version:
-                raise modified_in_place(handle.shape, handle.dtype, version, handle.version)
+        return self._reads.finish(entry, got, self._releases.lock)  # waits outside the lock
 
     def backward_began(self, reads: bool = True) -> None:
         """A timed step's backward used its first save: take the peak, start the reads.
@@ -474,7 +420,7 @@ class TierManager:
             self._resident_peak = max(self._resident_peak, self._flight.kept_resident())
         if not reads or self._schedule.unpacking or not self._entries:
             return  # begun already (a step's second backward), or nothing to read
-        with self._locked():
+        with self._releases.locked():
             if self._closed or self._schedule.unpacking:
                 return
             self._flight.begin_reads()
@@ -512,7 +458,7 @@ class TierManager:
         alloc = self._transfers.allocator(device)
         if alloc is None or math.prod(shape) * dtype.itemsize < POOLED_MIN_BYTES:
             return None
-        with self._locked():
+        with self._releases.locked():
             self.check_open()
             out = codec.empty_strided(shape, stride, dtype, alloc)
             return self._reads.hold(out, out.untyped_storage().nbytes())
@@ -555,64 +501,19 @@ class TierManager:
         :meth:`flush` settles those too. After :meth:`close`, the figures as
         close() left them: totals and peaks kept, every byte held now 0.
         """
-        with self._locked():
+        with self._releases.locked():
             if self._final is not None:
                 return self._final
             if not self._closed:
-                self._writes.wait(self._writes.futures(dead_only=True), self._unlocked)
+                self._writes.wait(self._writes.futures(dead_only=True), self._releases.unlocked)
                 if self._pipeline.deleting:  # NOTE [ Deletes on the I/O thread ]
-                    self._unlocked(self._pipeline.settle_deletes)
-            return self._snapshot()
-
-    def _snapshot(self) -> Stats:
-        """The counters as they are (under the lock)."""
-        pinned = self._transfers.pinned_pool_if_open
-        buffers = self._transfers.buffers_if_open
-        backend = self._pipeline.backend_if_open
-        reads, writes = self._reads, self._writes
-        counts = self._counts
-        kept, kept_bytes = counts.kept_totals()
-        with counts.lock:
-            recomputed, recomputed_bytes = counts.recomputed, counts.recomputed_bytes
-        return Stats(
-            tiers={
-                name: TierStats(
-                    bytes=s.bytes,
-                    peak_bytes=s.peak,
-                    entries=len(s.entries),
-                    bytes_written=s.written,
-                    bytes_read=s.read,
-                )
-                for name, s in self._tiers.items()
-            },
-            packed=self._packed + kept + recomputed,
-            deduplicated=self._deduplicated,
-            kept=kept,
-            kept_bytes=kept_bytes,
-            recomputed=recomputed,
-            recomputed_bytes=recomputed_bytes,
-            restrided_views=self._placing.restrided_views,
-            prefetch_hits=reads.hits,
-            prefetch_misses=reads.misses,
-            bytes_prefetched=reads.prefetched_bytes,
-            unpack_wait_s=reads.unpack_wait_s,
-            pack_wait_s=self._flight.pack_wait_s(),
-            host_pool_bytes=pinned.reserved_bytes if pinned is not None else 0,
-            host_pool_misses=pinned.allocations_outside if pinned is not None else 0,
-            disk_io=backend.io_path if backend is not None else None,
-            failed_writes=writes.failed_writes,
-            prefetch_window_bytes=reads.limit.bytes,
-            prefetch_stalls=reads.limit.stalls,
-            write_queue_limit_bytes=writes.limit.bytes,
-            pack_waits=writes.limit.stalls,
-            buffer_bytes_in_use=buffers.used_bytes if buffers is not None else 0,
-            buffer_misses=buffers.allocations_outside if buffers is not None else 0,
-        )
+                    self._releases.unlocked(self._pipeline.settle_deletes)
+            return self._figures.snapshot(self._packed, self._dedupe.hits)
 
     def flush(self) -> None:
         """Wait until every queued disk write has ended (and raise if one failed)."""
-        with self._locked():
-            self._writes.wait(self._writes.futures(), self._unlocked)
+        with self._releases.locked():
+            self._writes.wait(self._writes.futures(), self._releases.unlocked)
             self._writes.raise_failure()
 
     @property
@@ -626,10 +527,10 @@ class TierManager:
 
         :meth:`stats` still answers afterwards, with the final figures.
         """
-        with self._lock:
+        with self._releases.lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = self._releases.closed = True
             if self.limits is not None:
                 self.limits.close()
             futures: list[concurrent.futures.Future[Any]] = list(self._writes.futures())
@@ -640,111 +541,12 @@ class TierManager:
         # thread they never end (NOTE [ A dead I/O thread ]): close anyway.
         with contextlib.suppress(TierstoreError):
             self._pipeline.wait(futures)
-        with self._lock:
-            self._entries.clear()
-            self._dedupe.clear()
-            self._pending.clear()
-            self._writes.clear()
-            for state in self._tiers.values():
-                state.entries.clear()
-                state.heap.clear()
-                state.bytes = 0
-            final = self._snapshot()
+        with self._releases.lock:
+            self._releases.drop_all()
+            final = self._figures.snapshot(self._packed, self._dedupe.hits)
         self._finalizer()
-        with self._lock:  # the pools are gone with the movers: nothing is held now
+        with self._releases.lock:  # the pools are gone with the movers: nothing is held now
             self._final = dataclasses.replace(final, host_pool_bytes=0, buffer_bytes_in_use=0)
-
-    def _unlocked(self, wait: Callable[[], object]) -> None:
-        """Run ``wait`` with the lock released (forward waiting on copies or writes)."""
-        self._lock.release()
-        try:
-            with torch.profiler.record_function("tierstore::pack_wait"):
-                wait()
-        finally:
-            self._lock.acquire()
-
-    # -- lifetimes (NOTE [ Deferred release ]) ----------------------------------
-
-    def _handle(self, entry: Entry, t: torch.Tensor) -> Handle:
-        handle = Handle(entry.key, t)
-        weakref.finalize(handle, self._release, entry.key).atexit = False
-        return handle
-
-    def _release(self, key: int) -> None:
-        # Queue first, then drain if the lock is free. Whoever holds the lock
-        # drains after its work and checks the queue again once it has let
-        # go, so a key queued at any moment is released at once by one side.
-        self._pending.append(key)
-        while self._pending and self._lock.acquire(blocking=False):
-            try:
-                self._drain()
-            finally:
-                self._lock.release()
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        with self._lock:
-            self._drain(settle=True)
-            yield
-            self._drain()
-        # A finalizer in another thread may have queued a key after the drain.
-        while self._pending and self._lock.acquire(blocking=False):
-            try:
-                self._drain()
-            finally:
-                self._lock.release()
-
-    def _drain(self, *, settle: bool = False) -> None:
-        """Release the queued keys; with ``settle``, first what the movers finished.
-
-        NOTE [ Deferred release ]: copies and writes are settled once per
-        lock, as it is taken, not at each drain.
-        """
-        if self._closed:
-            self._pending.clear()
-            return
-        if settle:
-            self._transfers.settle()
-            self._writes.harvest()
-        while self._pending:
-            self._release_locked(self._pending.popleft())
-
-    def _release_locked(self, key: int) -> None:
-        entry = self._entries.get(key)
-        if entry is None:  # closed, or never landed
-            return
-        entry.refs -= 1
-        if entry.refs:
-            return
-        del self._entries[key]
-        key_of = entry.dedupe_key
-        if key_of is not None and self._dedupe.get(key_of, (None, None))[1] == key:
-            del self._dedupe[key_of]  # only its own: NOTE [ Deduplication under threads ]
-        self._reads.drop(key)
-        if key in self._writes:
-            return  # harvest() frees it once the write has ended
-        if entry.tier is not None:
-            state = self._tiers[entry.tier]
-            state.remove(entry, state.size_of(entry))
-            if entry.tier == "disk":
-                self._pipeline.delete(key)
-        self._transfers.free_host(entry.block)
-        entry.tensor = entry.held = entry.block = None
-        if entry.ready is None:  # else settle() lets go once the copy has read it
-            entry.probe = None
-
-
-def _dedupe_key(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[Any, ...]:
-    """What makes two saves the same bytes: storage address, view, dtype, device, version."""
-    return (
-        storage.data_ptr(),
-        t.storage_offset(),
-        tuple(t.shape),
-        tuple(t.stride()),
-        t.dtype,
-        t.device,
-        t._version,
-    )
 
 
 def _close_movers(pipeline: Pipeline, transfers: Transfers) -> None:

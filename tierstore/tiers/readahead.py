@@ -107,14 +107,16 @@ class ReadAhead:
         schedule: Schedule,
         entries: Mapping[int, Entry],
         *,
+        host: TierState | None = None,
         disk: TierState | None = None,
     ) -> None:
         self._pipeline = pipeline
         self._transfers = transfers
         # The tier manager's own: the plan to read ahead in, the entries it
-        # names, and the disk tier whose bytes_read counts what is read.
+        # names, and the host and disk tiers whose bytes_read count what is read.
         self._schedule = schedule
         self._entries = entries
+        self._host = host
         self._disk = disk
         self.limit = InFlightLimit(int(config.prefetch_bytes), _START_BYTES, _MIN_BYTES)
         self._window: dict[int, tuple[concurrent.futures.Future[torch.Tensor] | DeviceCopy, int]]
@@ -221,6 +223,26 @@ class ReadAhead:
         return self._pipeline.submit_read(entry.key, source, alloc)
 
     # -- unpack --------------------------------------------------------------------
+
+    def fetch(
+        self, entry: Entry, first: bool
+    ) -> torch.Tensor | concurrent.futures.Future[torch.Tensor]:
+        """``entry``'s tensor, or the read to wait for with the lock released.
+
+        The tier manager's get, under its lock; ``first``: backward's first unpack.
+        """
+        if entry.tier == "device":
+            assert entry.tensor is not None
+            self.passed(first=first)  # NOTE [ Prefetch ]
+            return entry.tensor
+        if entry.tier == "host":
+            assert self._host is not None and self._transfers is not None
+            span, layout = entry.span()
+            self._host.read += entry.nbytes
+            if span.device == entry.device:  # CPU: the host tier is the device's memory
+                return codec.from_span(span, layout, self._transfers.allocator(span.device))
+            return self.from_host(entry, span, layout, first=first)
+        return self.from_disk(entry, first=first)
 
     def from_host(
         self, entry: Entry, span: torch.Tensor, layout: codec.Layout, *, first: bool
