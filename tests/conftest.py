@@ -152,7 +152,7 @@ def in_block(store: tierstore.TierStore, fn: Callable[[], Any]) -> Any:
     """``fn()`` in ``store.offload()``: every call's block opened at this one line.
 
     A repeated step must be opened where the step it repeats was (NOTE [
-    Quiet blocks ] in tierstore/tier_store.py).
+    Quiet blocks ] in tierstore/autograd/quiet.py).
     """
     with store.offload():
         return fn()

@@ -244,6 +244,10 @@ def test_nothing_touches_cuda_or_disk_at_import(tmp_path: Path) -> None:
 DEPRECATED = [
     ("tierstore.hooks", "tierstore", "TierStore"),
     ("tierstore.hooks", "tierstore", "offload"),
+    ("tierstore.hooks", "tierstore.offloading", "MAX_STORES"),
+    ("tierstore.hooks", "tierstore.tier_store", "log"),
+    ("tierstore.hooks", "tierstore.autograd.quiet", "MEASURED_EVERY"),
+    ("tierstore.hooks", "tierstore.autograd.regions", "MAX_PLANNED_DEPTH"),
     ("tierstore.store", "tierstore.tiers.manager", "TierManager"),
     ("tierstore.recompute", "tierstore.autograd.recompute", "cheap"),
     ("tierstore.recompute", "tierstore.autograd.recorder", "Recorder"),
@@ -281,6 +285,29 @@ def test_old_import_paths_warn_and_forward(old: str, new: str, name: str) -> Non
     with pytest.warns(DeprecationWarning, match=f"^{re.escape(message)}$"):
         value = getattr(module, name)
     assert value is getattr(importlib.import_module(new), name)
+
+
+# What `from <old path> import *` gave before the move (each old module's __all__).
+OLD_ALL = {
+    "tierstore.hooks": ["TierStore", "keep", "keep_module", "offload", "offload_module"],
+    "tierstore.store": ["TierManager", "resting_nbytes"],
+    "tierstore.recompute": [
+        *("CHEAP_OPS", "GRAPH_OPS", "GraphOp", "Policy", "Recipe", "Recorder"),
+        *("cheap", "everything", "graph_op", "graph_recipe", "never_traced"),
+    ],
+    "tierstore.bench.gpt": [
+        *("GPT", "GPTConfig", "ModelShape", "add_model_arguments", "build_model"),
+        "saved_bytes",
+    ],
+}
+
+
+@pytest.mark.parametrize("old", sorted(OLD_ALL))
+def test_a_star_import_of_an_old_path_gives_its_old_names(old: str) -> None:
+    names: dict[str, object] = {}
+    with pytest.warns(DeprecationWarning):
+        exec(f"from {old} import *", names)
+    assert sorted(n for n in names if not n.startswith("__")) == sorted(OLD_ALL[old])
 
 
 def test_an_old_path_has_only_the_new_paths_names() -> None:

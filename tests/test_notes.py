@@ -15,12 +15,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 _DEFINITION = re.compile(r"\s*#\s*NOTE \[ (.+?) \]\s*$")
-# "NOTE [ Title ] in path.py", the path maybe in backticks or parentheses and
-# maybe after a line break inside a comment.
+# "NOTE [ Title ] in path.py", the path maybe in backticks or parentheses; read
+# with every line break (and a comment's leading "#") folded into one space, so
+# a pointer wrapped anywhere, the title included, is found.
 _POINTER = re.compile(
-    r"NOTE \[ ([^\]]+?) \](?:[^\n\[\]]{0,3}|[\s#*`,]*)\bin\s*[`(]?"
+    r"NOTE ?\[ ([^\]]+?) \](?:[^\[\]]{0,3}|[\s*`,]*)\bin\s*[`(]?"
     r"((?:tierstore/)?(?:[a-z_]+/)*[a-z_]+\.py)"
 )
+_FOLD = re.compile(r"\s*\n\s*(?:#+\s*)?")
 
 
 def _tracked(*patterns: str) -> list[Path]:
@@ -50,7 +52,7 @@ def test_a_note_named_with_its_file_is_in_that_file() -> None:
     assert len(notes) > 50  # the walk found the package's notes
     stale = []
     for path in _tracked("*.py", "*.md", "*.sh"):
-        for match in _POINTER.finditer(path.read_text()):
+        for match in _POINTER.finditer(_FOLD.sub(" ", path.read_text())):
             title, named = match[1], match[2]
             homes = notes.get(title)
             if homes is None:

@@ -15,4 +15,14 @@ Example:
 
 from tierstore._moved import moved_to
 
-__getattr__ = moved_to(__name__, "tierstore")
+# The old names, as they were; each resolves through __getattr__ below.
+__all__ = ["TierStore", "keep", "keep_module", "offload", "offload_module"]  # noqa: F822
+
+__getattr__ = moved_to(
+    __name__,
+    "tierstore",
+    "tierstore.offloading",
+    "tierstore.autograd.quiet",
+    "tierstore.autograd.regions",
+    "tierstore.tier_store",
+)

@@ -15,6 +15,21 @@ Example:
 
 from tierstore._moved import moved_to
 
+# The old names, as they were; each resolves through __getattr__ below.
+__all__ = [  # noqa: F822
+    "CHEAP_OPS",
+    "GRAPH_OPS",
+    "GraphOp",
+    "Policy",
+    "Recipe",
+    "Recorder",
+    "cheap",
+    "everything",
+    "graph_op",
+    "graph_recipe",
+    "never_traced",
+]
+
 __getattr__ = moved_to(
     __name__,
     "tierstore.autograd.recompute",

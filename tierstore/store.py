@@ -15,4 +15,7 @@ Example:
 
 from tierstore._moved import moved_to
 
+# The old names, as they were; each resolves through __getattr__ below.
+__all__ = ["TierManager", "resting_nbytes"]  # noqa: F822
+
 __getattr__ = moved_to(__name__, "tierstore.tiers.manager")

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from tierstore.autograd import state
 from tierstore.autograd.blocks import Block, tracing
 from tierstore.autograd.filters import (
     Kept,
@@ -54,7 +55,7 @@ from tierstore.autograd.recompute import (
 )
 from tierstore.autograd.recorder import Recorder
 from tierstore.autograd.regions import MAX_PLANNED_DEPTH, Regions
-from tierstore.autograd.state import HOOKS_ENABLED, TOP_HOOKS, local
+from tierstore.autograd.state import local
 from tierstore.config import TierConfig, load_config, with_overrides
 from tierstore.errors import ConfigError, TierstoreWarning
 from tierstore.planning.planner import Plan
@@ -303,13 +304,13 @@ class TierStore:
         return (
             self._runner is None
             and policy is None
-            and TOP_HOOKS is not None
+            and state.TOP_HOOKS is not None
             and not local.active
             and local.tier is None
             and local.recorder is None
             and local.region_recorder is None
-            and TOP_HOOKS(False) is None
-            and HOOKS_ENABLED()
+            and state.TOP_HOOKS(False) is None
+            and state.HOOKS_ENABLED()
             and not tracing()
         )
 
@@ -351,7 +352,7 @@ class TierStore:
             allocated = device_bytes(t.device)
             if allocated is not None:
                 block.allocated = t.device, allocated
-        top = TOP_HOOKS(False) if TOP_HOOKS is not None else None
+        top = state.TOP_HOOKS(False) if state.TOP_HOOKS is not None else None
         if top is None or top[0] is not block.hooks.pack_hook:
             return self._pack(t)  # called other than from the top of the stack
         autograd = torch._C._autograd

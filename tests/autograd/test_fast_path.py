@@ -22,8 +22,7 @@ import torch
 from backend_helpers import run_in_threads
 
 import tierstore
-import tierstore.autograd.quiet
-import tierstore.autograd.regions
+import tierstore.autograd.state
 from tierstore.autograd.filters import Kept
 from tierstore.autograd.state import TOP_HOOKS
 from tierstore.tiers.handle import Handle
@@ -503,8 +502,7 @@ def test_a_module_called_twice_a_step_stays_on_its_plan(spill_root: Path) -> Non
 def test_without_a_readable_hook_stack_every_save_takes_the_hooks(
     spill_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for module in (tierstore.tier_store, tierstore.autograd.regions, tierstore.autograd.quiet):
-        monkeypatch.setattr(module, "TOP_HOOKS", None)  # every reader of the stack
+    monkeypatch.setattr(tierstore.autograd.state, "TOP_HOOKS", None)
     store = _budget_store(spill_root)
     model = _blocks()
     inside = _top_inside(model[2].a)

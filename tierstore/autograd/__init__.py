@@ -3,8 +3,9 @@
 This layer knows autograd: saved_tensors_hooks, modules, ops and a tensor's
 size (the filters need it). It decides for each saved tensor whether it
 stays, is stored or is rebuilt, and knows nothing of how bytes rest or move:
-a stored save is the tier manager's business, reached through the public
-:class:`~tierstore.TierStore` that wires the layers together.
+a stored save goes down to the tier manager (:mod:`tierstore.tiers.manager`)
+in one call and comes back as a handle (NOTE [ One decision, one call ] in
+``autograd/hooks.py``).
 
 Example:
     >>> import torch

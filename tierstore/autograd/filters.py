@@ -58,7 +58,7 @@ from tierstore.stats import Placement
 # backward. Under saved_tensors_hooks PyTorch leaves that check to the hooks,
 # so tierstore does it: a kept save carries its version at pack and unpack
 # compares it; a stored one is checked by the tier manager (NOTE [ Version
-# check ] in tiers/manager.py).
+# check ] in tiers/entry.py).
 
 
 class BufferWatch:

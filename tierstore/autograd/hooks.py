@@ -177,7 +177,7 @@ class SaveHooks:
         # NOTE [ Reads from backward's start ] in tiers/manager.py: only in a backward
         # (not a saved tensor read by hand), its copies tierstore's own ops,
         # and a profiled step's host time for them a moved save's (NOTE
-        # [ Pricing a moved save first ] in planning/runner.py).
+        # [ Pricing a moved save first ] in planning/recorder.py).
         reads = graph_task() != -1
         runner = self._runner
         if runner is not None and runner.profiling:

@@ -17,7 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tierstore.autograd.state import HOOKS_ENABLED, TOP_HOOKS, local
+from tierstore.autograd import state
+from tierstore.autograd.state import local
 from tierstore.stats import PackTally
 
 
@@ -47,8 +48,8 @@ def woken() -> Quiet | None:
         quiet is None
         or quiet.woken
         or not quiet.open
-        or TOP_HOOKS(False) is not None  # type: ignore[misc]
-        or not HOOKS_ENABLED()
+        or state.TOP_HOOKS(False) is not None  # type: ignore[misc]
+        or not state.HOOKS_ENABLED()
     ):
         return None
     torch._C._autograd._push_saved_tensors_default_hooks(*quiet.hooks)

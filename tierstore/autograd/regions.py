@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
+from tierstore.autograd import state
 from tierstore.autograd.blocks import tracing
 from tierstore.autograd.recompute import Policy, never_traced
 from tierstore.autograd.recorder import Recorder
-from tierstore.autograd.state import HOOKS_ENABLED, TOP_HOOKS, local
+from tierstore.autograd.state import local
 from tierstore.planning.planner import Plan, from_graph, kept_whole, replayed
 
 # NOTE [ Recording where a plan rebuilds ]
@@ -156,7 +157,7 @@ class Regions:
         self.keeps = False
         if self.whole:
             return
-        if not self.records and TOP_HOOKS is not None:  # NOTE [ Modules kept whole ]
+        if not self.records and state.TOP_HOOKS is not None:  # NOTE [ Modules kept whole ]
             profile = plan.profile
             # A plan that moves nothing reads nothing back in backward: the
             # peak is all it kept, and one module's backward says a backward ran.
@@ -255,15 +256,15 @@ class Regions:
             # of this same call followed a new one: torch still calls it.
             return
         autograd = torch._C._autograd
-        top = TOP_HOOKS(False)  # type: ignore[misc]
+        top = state.TOP_HOOKS(False)  # type: ignore[misc]
         if top is None or top[0] != self._pack:
             return  # another's hooks on top: theirs to run
-        if not HOOKS_ENABLED():
+        if not state.HOOKS_ENABLED():
             return  # no hook may be pushed back
         autograd._pop_saved_tensors_default_hooks()
         # Hooks beneath the store's (a checkpoint or a user's around the
         # block) would take the module's saves: the store's stay on top.
-        if TOP_HOOKS(False) is not None or not begin(plan, first, end, stays):  # type: ignore[misc]
+        if state.TOP_HOOKS(False) is not None or not begin(plan, first, end, stays):  # type: ignore[misc]
             autograd._push_saved_tensors_default_hooks(*top)
             return
         self._kept_stack().append((module, top))

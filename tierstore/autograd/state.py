@@ -29,6 +29,9 @@ if TYPE_CHECKING:  # annotations only: those modules read this one
 
 _R = TypeVar("_R")
 
+#: Reads the top of autograd's stack of saved-tensor hooks; ``None`` on a torch
+#: that cannot. Readers look it up here at call time (``state.TOP_HOOKS``), so
+#: one assignment changes every reader.
 TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 #: Autograd's engine: a final callback queued during a backward runs as it ends.

@@ -15,4 +15,14 @@ Example:
 
 from tierstore._moved import moved_to
 
+# The old names, as they were; each resolves through __getattr__ below.
+__all__ = [  # noqa: F822
+    "GPT",
+    "GPTConfig",
+    "ModelShape",
+    "add_model_arguments",
+    "build_model",
+    "saved_bytes",
+]
+
 __getattr__ = moved_to(__name__, "tierstore.models")

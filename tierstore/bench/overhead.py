@@ -5,7 +5,7 @@ step with little compute around each, so the cost of a save's trip through
 the hooks and the store is not hidden behind compute. ``--block N`` groups
 the layers N pairs to a module, as a transformer's blocks group their ops:
 a module whose saves a plan keeps whole runs without hooks (NOTE [ Modules
-kept whole ] in tierstore/tier_store.py), which a flat chain, one save to a
+kept whole ] in tierstore/autograd/regions.py), which a flat chain, one save to a
 module, never shows. Rows, side by side
 in one process: no hooks, identity ``saved_tensors_hooks``, the floor (hooks
 that hold a detached alias and check its version at unpack: the least a

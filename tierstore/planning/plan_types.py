@@ -194,7 +194,7 @@ class Save:
             over: never checkpointed (NOTE [ Replayed modules ] in planning/planner.py).
         root: the outermost module whose forward saved it (the model), which
             a plan that keeps all its saves keeps whole (NOTE [ Modules kept
-            whole ] in tier_store.py).
+            whole ] in autograd/regions.py).
         same_as: the earlier save of the same tensor (its index), when this
             one saves it again: no bytes of its own, and the plan's choice
             for it is that save's (NOTE [ A tensor saved twice ] in planning/planner.py).

@@ -110,7 +110,7 @@ __all__ = [
 # the read in use is resident then, not a staged write and a read ahead
 # beside it: the lowest the step can go, at the price of every byte moved;
 # not on CUDA, where copies off the device never make forward wait, NOTE
-# [ Copies in flight ] in tierstore/tiers/manager.py):
+# [ Copies in flight ] in tierstore/tiers/inflight.py):
 #   1. gives the link to the saves that are dearest to rebuild per byte
 #      (those that cannot be rebuilt first), as long as it hides them;
 #   2. rebuilds the rest, cheapest per byte first (elementwise ops and norms
@@ -191,7 +191,7 @@ def _checkpointed(profile: Profile, budget: int, window: int) -> list[tuple[Choi
     The fewest first modules that fit, and one and two fewer, from which
     the greedy frees the rest with the link or op-by-op rebuilds. Fit is
     judged with the saves the graph rebuilds (NOTE [ Rebuilt from the
-    graph ] in tierstore/autograd/recompute.py) rebuilt besides, as the greedy
+    graph ] in tierstore/autograd/graph.py) rebuilt besides, as the greedy
     takes them first: cheap per byte and no recorder; but only those whose
     inputs stay, as from_graph() takes them (one rebuilt from another's
     rebuild is the recorder's). Judged without them, the fit asks for more

@@ -47,7 +47,7 @@ inside :meth:`HostPool.take`, say), so it only queues the block; whoever
 next holds the pool's lock puts it back.
 
 Unpinned chunks are private anonymous ``mmap`` memory (``PRIVATE`` in
-``_aligned.py`` says why not shared): only pages written to are resident,
+``backends/_aligned.py`` says why not shared): only pages written to are resident,
 and :meth:`HostPool.trim` hands the pages of chunks with no block out back
 to the kernel (``MADV_DONTNEED``), so memory recycled within a step does not
 stay resident between steps. They ask for transparent huge pages

@@ -57,7 +57,7 @@ __all__ = ["InFlight"]
 #     newest entry; the plan bounds what it sends to what the link hides.
 # Once the copies land, the next save first moves the device tier's oldest
 # entries down until it is within budget again or the copies are over the
-# bound once more (TierManager._make_room_in_flight); backward takes
+# bound once more (InFlight.make_room); backward takes
 # whatever is still on the device as it is.
 # The decision reads only byte counts: the CPU tests drive it with events
 # that report "not done".

@@ -618,7 +618,7 @@ KEEP_BUSY_CYCLES = 1_000_000
 class CudaEvents:
     """Timing events on the current stream, and a spin that keeps it busy.
 
-    A profile's :class:`~tierstore.planning.runner.BusyTimer` calls it for each event
+    A profile's :class:`~tierstore.planning.timers.BusyTimer` calls it for each event
     and, before an op, :meth:`keep_busy` when the stream has run dry (NOTE
     [ Timing a profile ] in planning/timers.py): the op's start event then waits behind
     the spin while the host launches the op, so its span is the op's kernels
