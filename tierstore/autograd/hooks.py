@@ -73,8 +73,8 @@ def _moving(runner: Any, out: bool, fn: Callable[..., _R], *args: Any) -> _R:
 
 
 # NOTE [ Planned saves ]
-# With activation_budget set, the pack hook asks the tier manager's plan
-# runner what to do with each save it would offload (NOTE [ Planned steps ]
+# With activation_budget set, the pack hook asks the store's plan runner
+# what to do with each save it would offload (NOTE [ Planned steps ]
 # in planning/runner.py): keep it in the device tier, offload it (the host tier, the
 # disk below it), or hand autograd a recipe that rebuilds it. The recorder
 # then records every op it may (recompute.everything): the plan, not a list
