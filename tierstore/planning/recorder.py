@@ -166,8 +166,8 @@ class ProfileRecorder:
         config: TierConfig,
         writes: LinkClock,
         reads: LinkClock,
-        waits: object,
-        io_cpu: object = None,
+        waits: Callable[[], float],
+        io_cpu: Callable[[], float] | None = None,
         *,
         events: Callable[[], Callable[[], Any] | None] | None = None,
         device_links: tuple[LinkClock, LinkClock] | None = None,
@@ -176,8 +176,8 @@ class ProfileRecorder:
         self._config = config
         self._writes = writes
         self._reads = reads
-        self._waits = waits  # () -> float
-        self._io_cpu = io_cpu  # () -> float: the I/O threads' CPU seconds
+        self._waits = waits
+        self._io_cpu = io_cpu  # the I/O threads' CPU seconds, where they are timed
         # () -> a factory of recorded device events when a device is in use (BusyTimer)
         self._events = events
         # The device link's clocks (device to host, host to device): timed copies.
@@ -191,8 +191,7 @@ class ProfileRecorder:
 
     def waits(self) -> float:
         """The store's waits so far, seconds (NOTE [ Timing a profile ] in planning/timers.py)."""
-        waits: float = self._waits()  # type: ignore[operator]
-        return waits
+        return self._waits()
 
     def begin(self, step: _Step) -> None:
         """The clocks as ``step`` begins, and a profiled step's timer."""
@@ -204,7 +203,7 @@ class ProfileRecorder:
         if self._device_links is not None:
             step.device_written = self._device_links[0].snapshot()
             step.device_read = self._device_links[1].snapshot()
-        step.io_cpu = self._io_cpu() if callable(self._io_cpu) else 0.0
+        step.io_cpu = self._io_cpu() if self._io_cpu is not None else 0.0
 
     def profile(self, step: _Step, total: float) -> Profile | None:
         """The profile of ``step``, which took ``total`` seconds; ``None`` if it saw no backward."""
@@ -247,7 +246,7 @@ class ProfileRecorder:
         moved = (
             self._writes.snapshot()[0] - step.written[0] + self._reads.snapshot()[0] - step.read[0]
         )
-        io_cpu = (self._io_cpu() if callable(self._io_cpu) else 0.0) - step.io_cpu
+        io_cpu = (self._io_cpu() if self._io_cpu is not None else 0.0) - step.io_cpu
         # A device's profile sees only forward and backward: what the step
         # does around them is left to the first check (NOTE [ Timing a profile ] in
         # planning/timers.py).

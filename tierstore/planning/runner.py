@@ -158,8 +158,8 @@ class PlanRunner(StepLimits):
         config: TierConfig,
         writes: LinkClock,
         reads: LinkClock,
-        waits: object,
-        io_cpu: object = None,
+        waits: Callable[[], float],
+        io_cpu: Callable[[], float] | None = None,
         *,
         background: bool = True,
         events: Callable[[], Callable[[], Any] | None] | None = None,
@@ -177,7 +177,6 @@ class PlanRunner(StepLimits):
         self.background = background  # NOTE [ Planning off the training thread ] in checker.py
         self.budget = config.activation_budget
         self._config = config
-        self._waits = waits  # () -> float
         self.plan: Plan | None = None
         self._expected: tuple[int, ...] = ()  # each save's bytes in the plan's profile
         # The plan's kept saves before each save: (count, bytes) (NOTE [ Saves that
@@ -275,8 +274,7 @@ class PlanRunner(StepLimits):
 
     def waits(self) -> float:
         """The store's waits so far, seconds (NOTE [ Timing a profile ] in planning/timers.py)."""
-        waits: float = self._waits()  # type: ignore[operator]
-        return waits
+        return self._recorder.waits()
 
     def choose(self, nbytes: int) -> Choice | None:
         """What to do with the next save of the step; ``None``: the safe placement.
