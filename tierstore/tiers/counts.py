@@ -90,8 +90,12 @@ class SaveCounts:
 
         NOTE [ Saves that stay ] in tiers/manager.py.
         """
-        with self.lock:
-            self.add_kept(why, n, nbytes)
+        with self.lock:  # add_kept's body, inline: every save a filter keeps comes here
+            counts = self.kept_by.get(why)
+            if counts is None:
+                counts = self.kept_by[why] = [0, 0]
+            counts[0] += n
+            counts[1] += nbytes
 
     def add_kept(self, why: Placement, n: int, nbytes: int) -> None:
         """Count ``n`` kept saves of ``nbytes`` in all; under :attr:`lock`."""
