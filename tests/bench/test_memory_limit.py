@@ -61,14 +61,13 @@ def test_a_child_under_the_limit_completes_with_its_peak_and_leaves_no_cgroup() 
 
 @needs_cgroup
 def test_the_cgroup_goes_on_an_interrupt_with_its_child_still_running() -> None:
-    with pytest.raises(KeyboardInterrupt):
-        with MemoryCgroup(LIMIT) as cgroup:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", "import time; time.sleep(600)"],
-                preexec_fn=cgroup.enter,  # noqa: PLW1509
-            )
-            assert cgroup.pids() == [proc.pid]
-            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), MemoryCgroup(LIMIT) as cgroup:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(600)"],
+            preexec_fn=cgroup.enter,  # noqa: PLW1509
+        )
+        assert cgroup.pids() == [proc.pid]
+        raise KeyboardInterrupt
     assert proc.wait(timeout=10) == -signal.SIGKILL
     assert not cgroup.path.exists()
 
@@ -78,5 +77,5 @@ def test_no_cgroup_says_why() -> None:
     if why is None:
         pytest.skip("a memory cgroup can be made here: there is no reason to show")
     assert why.startswith("no memory limit can be set here: ")
-    with pytest.raises(TierstoreError, match="^tierstore: no memory limit can be set here: "):
+    with pytest.raises(TierstoreError, match=r"^tierstore: no memory limit can be set here: "):
         MemoryCgroup(LIMIT)

@@ -147,8 +147,10 @@ from typing import Any
 
 import torch
 
+from tierstore.bench.memory_limit import why_no_memory_limit
 from tierstore.bench.report import Progress, load_pyplot, machine_info, write_results
 from tierstore.bench.scratch import make_scratch_dir, remove_scratch_dir
+from tierstore.bench.storage import parse_size
 from tierstore.bench.train_measure import StrategyResult, _memory_measure
 from tierstore.bench.train_measure import _tokens as _step_tokens
 from tierstore.bench.train_report import (
@@ -163,6 +165,7 @@ from tierstore.bench.train_report import (
 from tierstore.bench.train_runs import _LIVE_STEPS, _live_pass, _run_in_process, _run_isolated
 from tierstore.bench.train_settings import (
     MODEL_OPTIONS,
+    OPTIMIZERS,
     TrainSettings,
     check_shape,
     default_settings,
@@ -188,6 +191,7 @@ from tierstore.bench.train_sweep import (
     sweep_settings,
     sweep_strategies,
 )
+from tierstore.config import human_bytes
 from tierstore.errors import TierstoreError
 from tierstore.models import add_model_arguments, build_model, saved_bytes
 
@@ -237,12 +241,29 @@ def _check_settings(settings: TrainSettings) -> torch.device:
         raise TierstoreError(
             f"tierstore: bench train: --device {settings.device} is not cpu or cuda"
         )
+    _check_memory_limit(settings, device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise TierstoreError(
             "tierstore: bench train: --device cuda, but torch.cuda.is_available() is False; "
             "use --device cpu or a CUDA build of torch"
         )
     return device
+
+
+def _check_memory_limit(settings: TrainSettings, device: torch.device) -> None:
+    """Raise unless ``--memory-limit`` can hold here (NOTE [ Rows under a memory limit ])."""
+    limit = settings.memory_limit_bytes
+    if limit is None:
+        return
+    what = f"tierstore: bench train: --memory-limit {human_bytes(limit)}"
+    if device.type != "cpu" or not settings.isolate:
+        raise TierstoreError(
+            f"{what} runs each row in a fresh process of its own on the CPU; drop "
+            "--in-process (and --quick's default of it: add --fresh-processes) or --device cuda"
+        )
+    why = why_no_memory_limit()
+    if why is not None:
+        raise TierstoreError(f"{what}: {why}; run as root, or without --memory-limit")
 
 
 def bench_train(settings: TrainSettings, *, show_progress: bool = True) -> TrainReport:
@@ -297,7 +318,8 @@ def bench_train(settings: TrainSettings, *, show_progress: bool = True) -> Train
 
     cuda = device.type == "cuda"
     isolate = settings.isolate and not cuda
-    live_pass = settings.live_pass and not cuda
+    # See NOTE [ Rows under a memory limit ]: the live pass would run every row in one process.
+    live_pass = settings.live_pass and not cuda and settings.memory_limit_bytes is None
     live_measure = None
     per_strategy = settings.warmup + settings.steps + (_LIVE_STEPS if live_pass else 0)
     # Everything the run writes (the stores' spill directories, disk-naive's
@@ -339,9 +361,18 @@ def bench_train(settings: TrainSettings, *, show_progress: bool = True) -> Train
     settings_doc["skipped"] = skipped
     settings_doc["memory_measure"] = _memory_measure(cuda, isolate)
     settings_doc["live_measure"] = live_measure
+    settings_doc["grad_reference"] = _grad_reference(rows)
     return TrainReport(
         rows=rows, settings=settings_doc, targets=_targets(rows, cuda), model=model_info
     )
+
+
+def _grad_reference(rows: list[StrategyResult]) -> str | None:
+    """Whose gradients the grad diff compares with (NOTE [ Rows under a memory limit ])."""
+    none = next((r for r in rows if r.name == "none"), None)
+    if none is None:
+        return None
+    return "none run again with no memory limit" if none.killed else "none"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -436,8 +467,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--budget",
         default="",
         metavar="F[,F...]",
-        help="add a row per activation_budget F (a fraction such as 0.3, or a size such as "
-        "512MiB): a store with only that set, which plans keep / offload / rebuild",
+        help="add a row per activation_budget F (a fraction such as 0.3, a size such as "
+        "512MiB, or auto: what the memory there is leaves for the step's saves): a store "
+        "with only that set, which plans keep / offload / rebuild",
     )
     small, large = (_shape(SWEEP_MODELS[name]) for name in ("small", "large"))
     parser.add_argument(
@@ -447,6 +479,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"disk-naive, tierstore-file and budgets {','.join(SWEEP_BUDGETS)}, side by side, on "
         f"a small model ({small}) and a large one ({large}), or on the model the size "
         "options or --quick give; writes the curves as a PNG (--plot, else next to --json)",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        default=None,
+        metavar="SIZE",
+        help="run each row in a fresh process inside a memory cgroup of SIZE (such as 1GiB or "
+        "900MiB), as a container's limit; rows the kernel kills are shown killed. Needs root "
+        "and a writable cgroup v1 or v2 memory controller: otherwise the command says why and "
+        "runs nothing",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=full.optimizer,
+        help="the update after backward (default sgd); adamw's state appears in the first step",
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
     parser.add_argument(
@@ -504,6 +551,10 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         device_budget_bytes=args.device_budget,
         isolate=not args.quick if args.isolate is None else args.isolate,
         live_pass=not args.quick if args.live_pass is None else args.live_pass,
+        optimizer=args.optimizer,
+        memory_limit_bytes=(
+            None if args.memory_limit is None else parse_size(args.memory_limit, "--memory-limit")
+        ),
     )
 
 

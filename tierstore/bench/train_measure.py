@@ -24,7 +24,7 @@ import torch
 
 from tierstore.bench.memory import AnonRss, release_free_memory
 from tierstore.bench.report import median
-from tierstore.bench.train_settings import TrainSettings
+from tierstore.bench.train_settings import TrainSettings, make_optimizer
 from tierstore.bench.train_strategies import _planning_steps, _Strategy, _Tierstore
 from tierstore.errors import TierstoreError
 from tierstore.models import GPT
@@ -84,6 +84,12 @@ class StrategyResult:
     tier_timeline: dict[str, Any] = field(default_factory=dict)
     #: ``budget=F`` rows: the plan after the measured steps (NOTE [ Budget rows ]).
     plan: dict[str, Any] | None = None
+    #: Under ``--memory-limit``: the kernel killed the row's process for memory
+    #: (its step and memory figures are then blank), and the cgroup's peak
+    #: charge: the process's whole memory with its page cache, as the limit
+    #: counts it (NOTE [ Rows under a memory limit ] in train_runs.py).
+    killed: bool = False
+    cgroup_peak_bytes: int | None = None
 
 
 class _Sampler:
@@ -273,7 +279,7 @@ class _Bench:
         """Warm-up and measured steps of one strategy, from the weights loaded now."""
         settings = self.settings
         _grads_in_place(self.model)
-        opt = torch.optim.SGD(self.model.parameters(), lr=settings.lr)
+        opt = make_optimizer(settings, self.model.parameters())
         if self.trim:
             release_free_memory(full=True)
         base = self.base()

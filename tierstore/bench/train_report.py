@@ -26,6 +26,7 @@ from tierstore.stats import TIERS
 
 __all__ = [
     "JSON_TIMELINE_POINTS",
+    "KILLED",
     "TARGET_SAVED_BYTES",
     "WIDTH",
     "TrainReport",
@@ -106,9 +107,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _add_ratios(rows: list[StrategyResult]) -> None:
-    none = next((r for r in rows if r.name == "none"), None)
-    naive = next((r for r in rows if r.name == "disk-naive"), None)
+    none = next((r for r in rows if r.name == "none" and not r.killed), None)
+    naive = next((r for r in rows if r.name == "disk-naive" and not r.killed), None)
     for r in rows:
+        if r.killed:  # no figures to divide (NOTE [ Rows under a memory limit ])
+            continue
         if none is not None:
             r.step_vs_none = _ratio(r.median_step_s, none.median_step_s)
             r.memory_vs_none = _ratio(r.peak_memory_bytes, none.peak_memory_bytes)
@@ -167,6 +170,7 @@ def _cuda_checks(r: StrategyResult, by_name: dict[str, StrategyResult]) -> list[
 
 def _targets(rows: list[StrategyResult], cuda: bool) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
+    rows = [r for r in rows if not r.killed]  # no figures to check
     by_name = {r.name: r for r in rows}
     budget_rows = [r for r in rows if r.name.startswith(BUDGET)]
     for r in rows:
@@ -304,7 +308,9 @@ def format_train(report: TrainReport) -> str:
         lines.insert(0, _wrap(_small_model_note(report, saved)))
         targets = [t for t in targets if "grad" in t["check"]]
     lines += [_wrap(_format_target(t)) for t in targets]
-    lines += [_wrap(_format_plan(r)) for r in report.rows if r.name.startswith(BUDGET)]
+    lines += [
+        _wrap(_format_plan(r)) for r in report.rows if r.name.startswith(BUDGET) and not r.killed
+    ]
     return "\n".join(lines)
 
 
@@ -327,15 +333,25 @@ def _headline_table(report: TrainReport) -> str:
     cuda = report.model["device"].startswith("cuda")
     headers = ["strategy", "step s", "vs none", "vs naive"]
     headers += ["reserved" if cuda else "peak RSS", "vs none", "vs naive", "grad diff"]
+    limited = report.settings.get("memory_limit_bytes") is not None
+    headers += ["cgroup peak"] if limited else []
     cells = []
     for r in report.rows:
-        row = [r.name, f"{r.median_step_s:.3f}", fmt_ratio(r.step_vs_none)]
-        row += [fmt_ratio(r.step_vs_naive), human_bytes(r.peak_memory_bytes)]
-        row += [fmt_ratio(r.memory_vs_none), fmt_ratio(r.memory_vs_naive)]
-        # Three digits: the magnitude of a difference; the JSON keeps all of it.
-        row.append(f"{r.max_grad_diff:.3g}" if r.max_grad_diff is not None else NA)
+        if r.killed:  # See NOTE [ Rows under a memory limit ]
+            row = [r.name, KILLED, NA, NA, KILLED, NA, NA, NA]
+        else:
+            row = [r.name, f"{r.median_step_s:.3f}", fmt_ratio(r.step_vs_none)]
+            row += [fmt_ratio(r.step_vs_naive), human_bytes(r.peak_memory_bytes)]
+            row += [fmt_ratio(r.memory_vs_none), fmt_ratio(r.memory_vs_naive)]
+            # Three digits: the magnitude of a difference; the JSON keeps all of it.
+            row.append(f"{r.max_grad_diff:.3g}" if r.max_grad_diff is not None else NA)
+        row += [_bytes(r.cgroup_peak_bytes)] if limited else []
         cells.append(row)
     return format_table(headers, cells)
+
+
+#: What a row the memory limit killed shows for its step time and peak.
+KILLED = "killed"
 
 
 def _beside_table(report: TrainReport) -> str:
@@ -395,7 +411,11 @@ TARGET_SAVED_BYTES = 1 << 30
 
 def _small_model_note(report: TrainReport, saved: int) -> str:
     none = report.row("none")
-    step = f", a {none.median_step_s * 1000:.0f} ms step under none" if none else ""
+    step = (
+        f", a {none.median_step_s * 1000:.0f} ms step under none"
+        if none and not none.killed
+        else ""
+    )
     return (
         f"A small model ({human_bytes(saved)} of saved activations per step{step}): its "
         "step-time and memory ratios measure fixed costs (threads, a spill file, per-tensor "
@@ -424,6 +444,23 @@ def _format_target(t: dict[str, Any]) -> str:
     return f"{t['strategy']}: {t['check']} {shown} (target {t['op']} {target}: {verdict})"
 
 
+#: How the description names each ``--optimizer``.
+_OPTIMIZER_NAMES = {"sgd": "SGD", "adamw": "AdamW"}
+
+
+def _limit_line(settings: dict[str, Any]) -> str:
+    """The memory limit's line of the description; ``""`` without one."""
+    limit = settings.get("memory_limit_bytes")
+    if limit is None:
+        return ""
+    return (
+        f"each row in a memory cgroup of {human_bytes(limit)} (--memory-limit); killed = the "
+        "kernel killed the row's process for memory; cgroup peak = the cgroup's peak charge "
+        "(the whole process and its page cache); grad diff against "
+        f"{settings.get('grad_reference') or NA}; no live pass under a limit;\n"
+    )
+
+
 def _describe(report: TrainReport) -> str:
     """What ran and how each column is measured, in lines of at most :data:`WIDTH`."""
     m, s = report.model, report.settings
@@ -437,8 +474,9 @@ def _describe(report: TrainReport) -> str:
         f"{human_bytes(m['saved_activation_bytes_per_step'])} per step; "
         f"{s['warmup']} warm-up + {s['steps']} measured steps per strategy; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads\n"
-        f"step = forward + backward + SGD update, median{step_where}; "
-        f"{s['memory_measure']};\n"
+        f"step = forward + backward + {_OPTIMIZER_NAMES[s.get('optimizer', 'sgd')]} update, "
+        f"median{step_where}; {s['memory_measure']};\n"
+        + _limit_line(s)
         + (
             f"live peak = peak anonymous RSS above the RSS before one measured step, {live};\n"
             if live

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from tierstore.bench.memory_limit import MemoryCgroup
 from tierstore.bench.report import Progress
 from tierstore.bench.train_measure import (
     StrategyResult,
@@ -45,7 +46,7 @@ from tierstore.bench.train_measure import (
     _named_grads,
     _Reporter,
 )
-from tierstore.bench.train_settings import TrainSettings
+from tierstore.bench.train_settings import TrainSettings, make_optimizer
 from tierstore.bench.train_strategies import (
     _CheckpointTierstore,
     _make_strategy,
@@ -109,16 +110,50 @@ def _payload(
 
 
 def _run_child(
-    script: str, payload: dict[str, Any], log: Path, progress: _Reporter, what: str
+    script: str,
+    payload: dict[str, Any],
+    log: Path,
+    progress: _Reporter,
+    what: str,
+    *,
+    cgroup: MemoryCgroup | None = None,
 ) -> dict[str, Any]:
     """Run ``script`` in a fresh interpreter; advance per step event; return its result event.
 
     Its stderr goes to ``log`` (a file, so that a chatty child cannot block
-    on a full pipe while the parent reads stdout).
+    on a full pipe while the parent reads stdout). ``cgroup``: the child
+    runs in it (NOTE [ Rows under a memory limit ]).
+
+    Raises:
+        TierstoreError: the child failed (its exit status and the end of its stderr).
     """
+    returncode, result, tail = _spawn(script, payload, log, progress, cgroup)
+    if returncode != 0 or result is None:
+        raise TierstoreError(
+            f"tierstore: bench train: {what} (a child process) failed with exit status "
+            f"{returncode}: {tail}"
+        )
+    return result
+
+
+def _spawn(
+    script: str,
+    payload: dict[str, Any],
+    log: Path,
+    progress: _Reporter,
+    cgroup: MemoryCgroup | None,
+) -> tuple[int, dict[str, Any] | None, str]:
+    """A child's exit status, its result event (``None``: none came) and its stderr's end."""
     cmd = [sys.executable, "-c", script, json.dumps(payload)]
+    enter = None if cgroup is None else cgroup.enter
     with log.open("w+", encoding="utf-8") as err:
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
+        with subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            preexec_fn=enter,  # noqa: PLW1509  (joins the cgroup before it runs)
+        ) as proc:
             assert proc.stdout is not None
             try:
                 result = _read_events(proc.stdout, progress)
@@ -127,12 +162,7 @@ def _run_child(
                 raise
         err.seek(0)
         tail = err.read()[-2000:].strip()
-    if proc.returncode != 0 or result is None:
-        raise TierstoreError(
-            f"tierstore: bench train: {what} (a child process) failed with exit status "
-            f"{proc.returncode}: {tail}"
-        )
-    return result
+    return proc.returncode, result, tail
 
 
 def _read_events(lines: Iterator[str], progress: _Reporter) -> dict[str, Any] | None:
@@ -208,7 +238,7 @@ def _live_child(payload_json: str, live: bool) -> None:
         for name in payload["names"]:
             model.load_state_dict(initial)
             _grads_in_place(model)
-            opt = torch.optim.SGD(model.parameters(), lr=settings.lr)
+            opt = make_optimizer(settings, model.parameters())
             strategy = _make_strategy(
                 name,
                 settings=settings,
@@ -274,29 +304,84 @@ def _run_in_process(
     return rows
 
 
+# NOTE [ Rows under a memory limit ]
+# --memory-limit SIZE runs each row's fresh process in a memory cgroup of
+# SIZE of its own (NOTE [ A cgroup per limited run ] in
+# tierstore/bench/memory_limit.py), as a container's limit is: the whole
+# process counts (interpreter, torch, model, optimizer state, page cache),
+# and the kernel kills it when the step does not fit. A killed row stays in
+# the report, marked killed, with its step time and peak RSS blank and the
+# cgroup's peak (the limit) beside it: what a user learns is which ways of
+# training fit, so a row that does not is a result. Where no cgroup can be
+# made (not root, no writable memory controller) the command says why and
+# runs nothing: figures without the limit would not answer the question.
+# The gradient check needs a reference: none's gradients where none
+# completes, else none run once more with no limit, for its gradients only
+# (settings.grad_reference says which). The live pass runs every row in one
+# process and is skipped under a limit.
+
+
 def _run_isolated(
     settings: TrainSettings, names: list[str], *, budget: int, work: Path, progress: _Reporter
 ) -> list[StrategyResult]:
-    """Each strategy in a fresh process of its own, one at a time (CPU)."""
+    """Each strategy in a fresh process of its own, one at a time (CPU).
+
+    Under ``settings.memory_limit_bytes``, each in a memory cgroup of that
+    size (NOTE [ Rows under a memory limit ]).
+    """
     rows: list[StrategyResult] = []
-    reference: dict[str, torch.Tensor] | None = None
+    grads: dict[str, Path] = {}
     n = settings.warmup + settings.steps
     for name in names:
-        grads_path = work / f"grads-{name}.safetensors"
-        payload = _payload(settings, [name], budget, work, grads=str(grads_path))
+        grads[name] = work / f"grads-{name}.safetensors"
+        payload = _payload(settings, [name], budget, work, grads=str(grads[name]))
         with progress.phase(f"{name}: {n} steps in a fresh process"):
-            doc = _run_child(
-                _STRATEGY_CHILD, payload, work / f"{name}.stderr", progress, f"strategy {name}"
-            )
-        result = StrategyResult(**doc)
-        grads = load_file(grads_path)
-        grads_path.unlink()
-        if name == "none":
-            reference = grads
-        if reference is not None:
-            _compare_grads(result, reference, grads)
-        rows.append(result)
+            rows.append(_isolated_row(settings, name, payload, work, progress))
+    if "none" in grads and not grads["none"].exists():  # killed: a reference with no limit
+        payload = _payload(replace(settings, memory_limit_bytes=None), ["none"], budget, work)
+        payload["grads"] = str(grads["none"])
+        with progress.phase(f"none again with no memory limit, for its gradients: {n} steps"):
+            _run_child(_STRATEGY_CHILD, payload, work / "reference.stderr", _Quiet(), "none")
+    reference = load_file(grads["none"]) if "none" in grads else None
+    for row in rows:
+        path = grads[row.name]
+        if reference is not None and path.exists():
+            _compare_grads(row, reference, load_file(path))
+        path.unlink(missing_ok=True)
+    for path in grads.values():  # none's, where it ran again with no limit
+        path.unlink(missing_ok=True)
     return rows
+
+
+class _Quiet:
+    """A reporter that shows nothing (a run that is no row)."""
+
+    def phase(self, description: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def advance(self, units: float) -> None:
+        pass
+
+
+def _isolated_row(
+    settings: TrainSettings, name: str, payload: dict[str, Any], work: Path, progress: _Reporter
+) -> StrategyResult:
+    """One row's fresh process, in a memory cgroup under ``--memory-limit``: its result."""
+    log, what = work / f"{name}.stderr", f"strategy {name}"
+    if settings.memory_limit_bytes is None:
+        return StrategyResult(**_run_child(_STRATEGY_CHILD, payload, log, progress, what))
+    with MemoryCgroup(settings.memory_limit_bytes) as cgroup:
+        returncode, doc, tail = _spawn(_STRATEGY_CHILD, payload, log, progress, cgroup)
+        killed = cgroup.oom_killed(returncode)
+        peak = cgroup.peak_bytes()
+    if killed:
+        return StrategyResult(name, killed=True, cgroup_peak_bytes=peak)
+    if returncode != 0 or doc is None:
+        raise TierstoreError(
+            f"tierstore: bench train: {what} (a child process) failed with exit status "
+            f"{returncode}: {tail}"
+        )
+    return StrategyResult(**{**doc, "cgroup_peak_bytes": peak})
 
 
 def _live_pass(

@@ -18,13 +18,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from tierstore.errors import TierstoreError
 
 __all__ = [
     "MODEL_OPTIONS",
+    "OPTIMIZERS",
     "TrainSettings",
     "check_shape",
     "default_settings",
+    "make_optimizer",
     "quick_settings",
 ]
 
@@ -40,7 +44,10 @@ class TrainSettings:
     ``isolate=False`` runs every strategy in this process instead of one
     fresh process each (CPU; CUDA always runs here), and ``live_pass=False``
     skips the CPU live-memory pass (NOTE [ What bench train measures ] in
-    ``tierstore/bench/train.py``).
+    ``tierstore/bench/train.py``). ``optimizer`` is ``"sgd"`` or ``"adamw"``
+    (whose state appears in the first step). ``memory_limit_bytes`` runs
+    each strategy's fresh process in a memory cgroup of that size
+    (NOTE [ Rows under a memory limit ] in ``tierstore/bench/train_runs.py``).
 
     Example:
         >>> default_settings().d_model, quick_settings().d_model
@@ -68,6 +75,8 @@ class TrainSettings:
     device_budget_bytes: int = 0
     isolate: bool = True
     live_pass: bool = True
+    optimizer: str = "sgd"
+    memory_limit_bytes: int | None = None
 
 
 def default_settings(**changes: Any) -> TrainSettings:
@@ -92,6 +101,23 @@ def quick_settings(**changes: Any) -> TrainSettings:
     """
     tiny = TrainSettings(layers=2, d_model=64, heads=2, seq=64, batch=4, vocab=128)
     return replace(tiny, **changes)
+
+
+#: ``--optimizer``: what updates the weights after each step's backward.
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def make_optimizer(settings: TrainSettings, params: Any) -> torch.optim.Optimizer:
+    """The optimizer ``settings`` name, over ``params``, at ``settings.lr``.
+
+    Example:
+        >>> import torch
+        >>> type(make_optimizer(quick_settings(optimizer="adamw"), [torch.zeros(1)])).__name__
+        'AdamW'
+    """
+    if settings.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=settings.lr)
+    return torch.optim.SGD(params, lr=settings.lr)
 
 
 #: The model's shape: each :class:`TrainSettings` field and the option that sets it.
@@ -128,4 +154,9 @@ def check_shape(settings: TrainSettings) -> None:
         raise TierstoreError(
             f"tierstore: bench train: d_model={settings.d_model} is not a multiple of "
             f"heads={settings.heads}; change --d-model or --heads"
+        )
+    if settings.optimizer not in OPTIMIZERS:
+        raise TierstoreError(
+            f"tierstore: bench train: --optimizer {settings.optimizer}: expected one of "
+            f"{', '.join(OPTIMIZERS)}"
         )

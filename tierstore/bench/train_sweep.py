@@ -32,6 +32,7 @@ from tierstore.errors import TierstoreError
 from tierstore.stats import TIERS
 
 __all__ = [
+    "AUTO",
     "SWEEP_BUDGETS",
     "SWEEP_MODELS",
     "plot_sweep",
@@ -42,6 +43,9 @@ __all__ = [
 ]
 
 _MIB = 1 << 20
+
+#: The ``budget=auto`` row (``--budget auto``): drawn as a point of its own beside the budgets.
+AUTO = "budget=auto"
 
 #: The budgets ``--sweep`` runs, as fractions of what the step saves.
 SWEEP_BUDGETS = ("0.05", "0.1", "0.2", "0.35", "0.5", "0.75")
@@ -194,7 +198,7 @@ def plot_sweeps(reports: Sequence[TrainReport], path: str | os.PathLike[str]) ->
     """
     for report in reports:
         none = report.row("none")
-        if none is None or not none.median_step_s or not none.peak_memory_bytes:
+        if none is None or not (none.killed or (none.median_step_s and none.peak_memory_bytes)):
             raise TierstoreError("tierstore: bench train --sweep: the curve needs the none row")
     plt = load_pyplot()
     fig, axes = plt.subplots(1, len(reports), figsize=(8 * len(reports), 5.5), squeeze=False)
@@ -206,25 +210,45 @@ def plot_sweeps(reports: Sequence[TrainReport], path: str | os.PathLike[str]) ->
     plt.close(fig)
 
 
-def _draw_sweep(ax: Any, report: TrainReport) -> None:
-    """One model's curve on ``ax`` (a matplotlib Axes)."""
+def _scale(report: TrainReport) -> tuple[float, float, str, str]:
+    """What the curve divides by and its axes' units: none's figures, or MiB and s if killed.
+
+    Under ``--memory-limit`` ``none`` may be killed (NOTE [ Rows under a
+    memory limit ] in tierstore/bench/train_runs.py): then there is nothing
+    to divide by, and the axes are absolute.
+    """
     none = report.row("none")
     assert none is not None  # checked by plot_sweeps
+    memory = "reserved" if report.model["device"].startswith("cuda") else "anonymous RSS"
+    if none.killed:
+        return float(_MIB), 1.0, f"peak memory, MiB ({memory})", "step time, s"
+    return (
+        float(none.peak_memory_bytes),
+        none.median_step_s,
+        f"peak memory / none's ({memory})",
+        "step time / none's",
+    )
+
+
+def _draw_sweep(ax: Any, report: TrainReport) -> None:
+    """One model's curve on ``ax`` (a matplotlib Axes)."""
+    memory_unit, step_unit, xlabel, ylabel = _scale(report)
 
     def point(r: StrategyResult) -> tuple[float, float]:
-        return r.peak_memory_bytes / none.peak_memory_bytes, r.median_step_s / none.median_step_s
+        return r.peak_memory_bytes / memory_unit, r.median_step_s / step_unit
 
     # Each line in the order of its knob (blocks checkpointed, budget), not of
     # its measured memory: a line that doubles back is a finding, not noise.
     layers = report.model["layers"]
+    done = [r for r in report.rows if not r.killed]
     checkpoints = sorted(
-        (r for r in report.rows if r.name.startswith(CHECKPOINT_FIRST) or r.name == "checkpoint"),
+        (r for r in done if r.name.startswith(CHECKPOINT_FIRST) or r.name == "checkpoint"),
         key=lambda r: (
             int(r.name.removeprefix(CHECKPOINT_FIRST)) if r.name[-1].isdigit() else layers
         ),
     )
     budgets = sorted(
-        (r for r in report.rows if r.name.startswith(BUDGET)),
+        (r for r in done if r.name.startswith(BUDGET) and r.name != AUTO),
         key=lambda r: r.plan["budget_bytes"] if r.plan is not None else 0,
     )
     for rows, label, style in (
@@ -236,31 +260,42 @@ def _draw_sweep(ax: Any, report: TrainReport) -> None:
             ax.plot(xs, ys, style, label=label)
             for r, x, y in zip(rows, xs, ys, strict=True):
                 ax.annotate(r.name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    planned = [*budgets, *(r for r in done if r.name == AUTO)]
     predicted = [
-        (point(r)[0], r.plan["predicted_step_s"] / none.median_step_s)
-        for r in budgets
-        if r.plan is not None
+        (point(r)[0], r.plan["predicted_step_s"] / step_unit) for r in planned if r.plan is not None
     ]
     if predicted:
         xs, ys = zip(*predicted, strict=True)
         ax.plot(xs, ys, "x", color="grey", label="the budget's plan: predicted step")
-    for r in report.rows:
+    for r in done:
         if r in checkpoints or r in budgets:
             continue
         x, y = point(r)
-        ax.plot(x, y, "D", label=r.name)
-    ax.set_xlabel(
-        "peak memory / none's ("
-        + ("reserved" if report.model["device"].startswith("cuda") else "anonymous RSS")
-        + ")"
-    )
-    ax.set_ylabel("step time / none's")
+        ax.plot(
+            x,
+            y,
+            "*" if r.name == AUTO else "D",
+            markersize=12 if r.name == AUTO else 6,
+            label=r.name,
+        )
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     m = report.model
     ax.set_title(
         f"My step does not fit: memory against step time\n{m['layers']} blocks, d_model "
         f"{m['d_model']}, seq {m['seq']}, batch {m['batch']}: "
-        f"{human_bytes(m['saved_activation_bytes_per_step'])} saved per step",
+        f"{human_bytes(m['saved_activation_bytes_per_step'])} saved per step"
+        + _killed_line(report),
         fontsize=10,
     )
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+
+
+def _killed_line(report: TrainReport) -> str:
+    """The title's line naming the rows the memory limit killed; ``""`` without a limit."""
+    limit = report.settings.get("memory_limit_bytes")
+    if limit is None:
+        return ""
+    killed = [r.name for r in report.rows if r.killed]
+    return f"\nin a {human_bytes(limit)} memory cgroup; killed: {', '.join(killed) or 'none'}"
