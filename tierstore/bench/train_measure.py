@@ -87,7 +87,7 @@ class StrategyResult:
     #: Under ``--memory-limit``: the kernel killed the row's process for memory
     #: (its step and memory figures are then blank), and the cgroup's peak
     #: charge: the process's whole memory with its page cache, as the limit
-    #: counts it (NOTE [ Rows under a memory limit ] in train_runs.py).
+    #: counts it (NOTE [ Rows under a memory limit ] in tierstore/bench/train_runs.py).
     killed: bool = False
     cgroup_peak_bytes: int | None = None
 
