@@ -69,7 +69,9 @@ def test_a_row_the_limit_kills_is_shown_killed_and_the_others_check_their_gradie
     assert report.settings["grad_reference"] == "none run again with no memory limit"
     lines = train_report.format_train(report).splitlines()
     none_line = next(line for line in lines if line.startswith("none "))
-    assert none_line.split()[:5] == ["none", "killed", "n/a", "n/a", "killed"]
+    assert none_line.split() == ["none", "killed", "n/a", "n/a", "killed", "n/a", "n/a", "n/a"]
+    beside = next(line for line in lines if line.startswith("strategy") and "cgroup peak" in line)
+    assert beside.split()[:3] == ["strategy", "cgroup", "peak"]
     assert "each row in a memory cgroup of 460.0 MiB" in train_report._describe(report)
     assert _cgroups_left() == []
     assert list(tmp_path.iterdir()) == []  # the scratch directory and every file in it

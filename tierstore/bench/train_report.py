@@ -333,8 +333,6 @@ def _headline_table(report: TrainReport) -> str:
     cuda = report.model["device"].startswith("cuda")
     headers = ["strategy", "step s", "vs none", "vs naive"]
     headers += ["reserved" if cuda else "peak RSS", "vs none", "vs naive", "grad diff"]
-    limited = report.settings.get("memory_limit_bytes") is not None
-    headers += ["cgroup peak"] if limited else []
     cells = []
     for r in report.rows:
         if r.killed:  # See NOTE [ Rows under a memory limit ]
@@ -345,7 +343,6 @@ def _headline_table(report: TrainReport) -> str:
             row += [fmt_ratio(r.memory_vs_none), fmt_ratio(r.memory_vs_naive)]
             # Three digits: the magnitude of a difference; the JSON keeps all of it.
             row.append(f"{r.max_grad_diff:.3g}" if r.max_grad_diff is not None else NA)
-        row += [_bytes(r.cgroup_peak_bytes)] if limited else []
         cells.append(row)
     return format_table(headers, cells)
 
@@ -358,14 +355,15 @@ def _beside_table(report: TrainReport) -> str:
     """What is measured beside the headline, for the rows that have any of it; else ``""``."""
     cuda = report.model["device"].startswith("cuda")
     live = any(r.peak_live_bytes is not None for r in report.rows)
-    headers = ["strategy"]
+    limited = report.settings.get("memory_limit_bytes") is not None
+    headers = ["strategy", "cgroup peak"] if limited else ["strategy"]
     headers += ["allocated"] if cuda else ["live peak", "vs none"] if live else []
     headers += ["disk peak", "written/step", "moved/step", "hit rate"]
     cells = []
     for r in report.rows:
         disk = r.tiers["disk"] if r.tiers else None
         hit = r.prefetch["hit_rate"] if r.prefetch else None
-        row: list[str] = []
+        row: list[str] = [_bytes(r.cgroup_peak_bytes)] if limited else []
         if cuda:
             row.append(_bytes(r.peak_allocated_bytes))
         elif live:
