@@ -25,6 +25,7 @@ __all__ = [
     "TrainSettings",
     "check_shape",
     "default_settings",
+    "parse_vary_seq",
     "quick_settings",
 ]
 
@@ -51,6 +52,9 @@ class TrainSettings:
     d_model: int = 512
     heads: int = 8
     seq: int = 512
+    #: ``--vary-seq MIN:MAX``: each step's sequence length drawn from MIN to MAX, seeded
+    #: (``seq``, the model's context, is MAX or more); ``None``: every step at ``seq``.
+    vary_seq: tuple[int, int] | None = None
     batch: int = 8
     vocab: int = 512
     dropout: float = 0.1
@@ -124,8 +128,42 @@ def check_shape(settings: TrainSettings) -> None:
             raise TierstoreError(
                 f"tierstore: bench train: {option} {value}: expected a whole number >= 1"
             )
+    if settings.vary_seq is not None:
+        low, high = settings.vary_seq
+        if not 1 <= low <= high <= settings.seq:
+            raise TierstoreError(
+                f"tierstore: bench train: --vary-seq {low}:{high} with --seq {settings.seq}: "
+                "expected 1 <= MIN <= MAX <= --seq"
+            )
     if settings.d_model % settings.heads:
         raise TierstoreError(
             f"tierstore: bench train: d_model={settings.d_model} is not a multiple of "
             f"heads={settings.heads}; change --d-model or --heads"
         )
+
+
+def parse_vary_seq(text: str) -> tuple[int, int]:
+    """``--vary-seq MIN:MAX`` as ``(MIN, MAX)``.
+
+    Raises:
+        TierstoreError: naming the option and the value.
+
+    Example:
+        >>> parse_vary_seq("96:256")
+        (96, 256)
+        >>> parse_vary_seq("256")
+        Traceback (most recent call last):
+        ...
+        tierstore.errors.TierstoreError: tierstore: bench train: --vary-seq 256: expected ...
+    """
+    low, sep, high = text.partition(":")
+    try:
+        bounds = (int(low), int(high))
+    except ValueError:
+        bounds = (0, 0)
+    if not sep or not 1 <= bounds[0] <= bounds[1]:
+        raise TierstoreError(
+            f"tierstore: bench train: --vary-seq {text}: expected MIN:MAX, two whole numbers "
+            "with 1 <= MIN <= MAX, such as 96:256"
+        )
+    return bounds
