@@ -276,9 +276,10 @@ class PlanRunner(StepLimits):
         return step
 
     def _may_search(self) -> bool:
-        """Whether a plan of this runner may need the planning process."""
+        """Whether the first plan may be searched in the planning process, off the thread."""
         all_saves = isinstance(self.budget, float) and self.budget >= 1.0
-        return self.background and not self.wait_for_plans and not all_saves
+        here = self.wait_for_plans or self.first_plan_at_once  # made where it is asked for
+        return self.background and not here and not all_saves
 
     def plan_now(self, timeout: float) -> Plan | None:
         """The plan in use; before the first, the one on its way, waited for up to ``timeout``.
