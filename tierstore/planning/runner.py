@@ -276,10 +276,9 @@ class PlanRunner(StepLimits):
         return step
 
     def _may_search(self) -> bool:
-        """Whether the first plan may be searched in the planning process, off the thread."""
+        """Whether the first plan may be searched in the planning process."""
         all_saves = isinstance(self.budget, float) and self.budget >= 1.0
-        here = self.wait_for_plans or self.first_plan_at_once  # made where it is asked for
-        return self.background and not here and not all_saves
+        return self.background and not self.first_plan_at_once and not all_saves
 
     def plan_now(self, timeout: float) -> Plan | None:
         """The plan in use; before the first, the one on its way, waited for up to ``timeout``.
