@@ -68,6 +68,9 @@ __all__ = ["TierStore"]
 
 #: The ``tierstore`` logger: one INFO line per training step (NOTE [ Step log ]).
 log = logging.getLogger("tierstore")
+#: How long :meth:`TierStore.plan` waits for the first plan, seconds (NOTE [ The first
+#: plan ] in planning/checker.py): a search takes seconds on a busy machine.
+PLAN_TIMEOUT_S = 60.0
 
 
 # NOTE [ Step log ]
@@ -394,17 +397,26 @@ class TierStore:
         log.info("%s", step_summary(self._steps, now, self._logged))
         self._logged = now
 
-    def plan(self) -> Plan | None:
-        """The plan ``activation_budget`` runs on; ``None`` before a step was profiled.
+    def plan(self, timeout: float = PLAN_TIMEOUT_S) -> Plan | None:
+        """The plan ``activation_budget`` runs on; ``None`` before a profile ended.
 
-        The store's first step warms up, the second is profiled, and the plan
-        is made when the third begins (NOTE [ Planned steps ] in planning/runner.py).
-        A plan is kept per shape of step: this is the one the latest step
-        followed or was profiled for. ``str()`` of it is a table: per module,
-        the bytes kept, offloaded and rebuilt and the predicted exposed time,
-        then the step's predicted time and peak beside the measured ones
-        (NOTE [ Planned steps ] in planning/runner.py).
-        ``None`` too without ``activation_budget``.
+        The store's first step warms up, the second is profiled, and the
+        profile ends where the third step begins: the plan is made there,
+        and the third step waits for it up to the profiled step's time
+        (NOTE [ The first plan ] in planning/checker.py). Called while the
+        first plan is being made, this waits for it, up to ``timeout``
+        seconds; once any plan exists it never waits (a callback may call it
+        every step). A plan is kept per shape of step: this is the one the
+        latest step followed or was profiled for. ``str()`` of it is a
+        table: per module, the bytes kept, offloaded and rebuilt and the
+        predicted exposed time, then the step's predicted time and peak
+        beside the measured ones, ``-`` until a step ran on it (NOTE
+        [ Planned steps ] in planning/runner.py).
+        ``None`` without ``activation_budget``, before a profiled step
+        ended, and where the first plan took longer than ``timeout``.
+
+        Args:
+            timeout: the most seconds to wait for the first plan.
 
         Example:
             >>> import torch, tierstore
@@ -425,7 +437,7 @@ class TierStore:
             >>> store.close()
         """
         runner = self._runner
-        return runner.plan if runner is not None else None
+        return runner.plan_now(timeout) if runner is not None else None
 
     def stats(self) -> Stats:
         """Bytes per tier now and at peak, entries, and what moved.

@@ -329,3 +329,75 @@ def test_a_run_writes_its_timelines_thinned_with_their_peaks(
         assert max(r["timeline"]["memory_bytes"]) == r["peak_bytes"][-1], r["name"]
     tiers = doc["rows"][1]["tier_timeline"]["tiers"]
     assert 2 <= len(tiers["t_s"]) <= 4 and max(tiers["disk"]) > 0
+
+
+# -- --vary-seq (issue 54, item 5) ------------------------------------------------
+
+
+def test_vary_seq_draws_each_steps_length_seeded_and_the_model_holds_the_longest() -> None:
+    settings = train.settings_from_args(_parse(["--quick", "--vary-seq", "8:40", "--seed", "3"]))
+    assert settings.vary_seq == (8, 40) and settings.seq == 40  # the context: MAX
+    lengths = [
+        train_measure._tokens(settings, step, torch.device("cpu")).shape[1] - 1
+        for step in range(12)
+    ]
+    assert all(8 <= n <= 40 for n in lengths) and len(set(lengths)) > 3
+    again = [
+        train_measure._tokens(settings, step, torch.device("cpu")).shape[1] - 1
+        for step in range(12)
+    ]
+    assert again == lengths  # seeded: every row trains on the same lengths
+    fixed = train.settings_from_args(_parse(["--quick", "--seed", "3"]))
+    assert train_measure._tokens(fixed, 0, torch.device("cpu")).shape == (4, 65)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--vary-seq", "40"],
+            "tierstore: bench train: --vary-seq 40: expected MIN:MAX, two whole numbers "
+            "with 1 <= MIN <= MAX, such as 96:256",
+        ),
+        (
+            ["--vary-seq", "40:8"],
+            "tierstore: bench train: --vary-seq 40:8: expected MIN:MAX, two whole numbers "
+            "with 1 <= MIN <= MAX, such as 96:256",
+        ),
+        (
+            ["--vary-seq", "8:40", "--seq", "32"],
+            "tierstore: bench train: --vary-seq 8:40 with --seq 32: "
+            "expected 1 <= MIN <= MAX <= --seq",
+        ),
+    ],
+)
+def test_a_vary_seq_no_run_can_have_is_refused(
+    tmp_path: Path, argv: list[str], message: str
+) -> None:
+    with pytest.raises(TierstoreError) as caught:
+        _run(["--quick", "--quiet", "--dir", str(tmp_path), *argv])
+    assert str(caught.value) == message
+    assert list(tmp_path.iterdir()) == []  # refused before anything ran
+
+
+def test_a_vary_seq_run_reports_time_per_token_and_the_share_planned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out.json"
+    argv = ["--quick", "--quiet", "--dir", str(tmp_path), "--vary-seq", "16:64", "--steps", "4"]
+    argv += ["--warmup", "0", "--strategies", "none,checkpoint", "--budget", "0.3"]
+    assert _run([*argv, "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    words = " ".join(table.split())
+    assert "us/token  planned" in table and "each step's length drawn from 16-64" in words
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"none", "checkpoint", "budget=0.3"}
+    tokens = rows["none"]["tokens"]
+    assert len(tokens) == 4 and len(set(tokens)) > 1 and all(t % 4 == 0 for t in tokens)
+    for row in rows.values():
+        assert row["tokens"] == tokens and row["grads_bitwise_equal"] is True
+        assert row["s_per_token"] == pytest.approx(sum(row["step_s"]) / sum(tokens))
+    budget = rows["budget=0.3"]
+    assert 0 <= budget["planned_steps"] <= 4
+    assert budget["planned_share"] == budget["planned_steps"] / 4
+    assert rows["none"]["planned_share"] is None and rows["checkpoint"]["planned_steps"] is None

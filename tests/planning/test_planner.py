@@ -599,6 +599,29 @@ def _random_profile(rng: random.Random) -> Profile:
     )
 
 
+def test_no_plan_is_slower_than_offloading_everything_where_that_fits() -> None:
+    # NOTE [ The default is a plan ] (issue 54, item 7): a store without a
+    # budget offloads every save through the default window. Priced from the
+    # profile, where its peak fits the budget, the budget's plan is at least
+    # as fast; where it does not, the budget is below the default's bytes in
+    # flight.
+    rng = random.Random(54)
+    compared = below = 0
+    for _ in range(80):
+        profile = _random_profile(rng)
+        default = simulate(profile, ("offload",) * len(profile.saves), profile.window_bytes)
+        total = sum(s.nbytes for s in profile.saves)
+        for fraction in (0.1, 0.2, 0.35, 0.5, 0.75):
+            budget = int(fraction * total)
+            plan = make_plan(profile, budget)
+            if default.peak_bytes <= budget:
+                assert plan.fits and plan.predicted_step_s <= default.step_s
+                compared += 1
+            else:
+                below += 1
+    assert compared > 50 and below > 50
+
+
 def test_a_move_saves_no_more_than_its_bound() -> None:
     # The second pass skips, unsimulated, the moves _MoveBounds says cannot
     # pay: that is sound only if no move ever saves more than its bound, and

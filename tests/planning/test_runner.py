@@ -1500,7 +1500,8 @@ def test_the_first_plan_is_made_off_the_thread_while_steps_go_on(
             recorded.append(local.recorder is not None)
             grads.append(_step(model, step))
         if step == 3:
-            assert searched.is_set() and store.plan() is None  # steps 2-3 ran on meanwhile
+            # Steps 2-3 ran on meanwhile (the third waited a profiled step's time for it).
+            assert searched.is_set() and store.plan(timeout=0) is None
     assert recorded[2:] == [False, False, False]  # waiting: no profile, no recorder
     release.set()
     runner._checker._remaking.join(60)  # type: ignore[union-attr]
@@ -1515,6 +1516,87 @@ def test_the_first_plan_is_made_off_the_thread_while_steps_go_on(
     assert process is not None and process.poll() is None
     store.close()
     assert process.wait(10) is not None and workers[0]._process is None
+
+
+def _readme_model() -> torch.nn.Module:
+    """The README's budget example: four blocks of Linear, GELU, Linear at d 256."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(
+                torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)
+            )
+            for _ in range(4)
+        ]
+    )
+
+
+def test_a_plan_after_three_steps_with_the_default_background_planning(
+    monkeypatch: pytest.MonkeyPatch, spill_root: Path
+) -> None:
+    # Issue 54, items 2 and 3 (NOTE [ The first plan ]): the README's example
+    # with planning as a user gets it, off the thread. The first plan is made
+    # where the third step begins and that step waits for it a while; plan()
+    # waits for it too. Gradients stay eager's.
+    monkeypatch.setattr(PlanRunner, "first_plan_at_once", False)
+    model = _readme_model()
+    eager = copy.deepcopy(model)
+    config = tierstore.TierConfig(activation_budget=0.5, disk_path=spill_root)
+    with tierstore.TierStore(config) as store:
+        for step in range(3):
+            torch.manual_seed(step)
+            with store.offload():
+                loss = model(torch.randn(512, 256)).square().mean()
+            loss.backward()
+            torch.manual_seed(step)
+            eager(torch.randn(512, 256)).square().mean().backward()
+        plan = store.plan()
+        assert plan is not None and set(plan.choices) != {"keep"}  # a search
+        assert store._runner is not None and store._runner._checker._remaking is not None
+        for ours, theirs in zip(model.parameters(), eager.parameters(), strict=True):
+            assert ours.grad is not None and torch.equal(ours.grad, theirs.grad)
+
+
+def test_plan_waits_for_the_first_plan_and_never_once_one_exists(
+    budget_store: Callable[..., tierstore.TierStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [ The first plan ]: while the first plan is being made, plan()
+    # waits for it, up to its timeout; once a plan exists it returns at once,
+    # a remade one on its way or not.
+    monkeypatch.setattr(PlanRunner, "first_plan_at_once", False)
+    monkeypatch.setattr(plans, "FIRST_PLAN_WAIT", 0.0)  # the third step does not wait
+    release = threading.Event()
+    real = plan_process.PlanningProcess.plan
+
+    def held(self: plan_process.PlanningProcess, profile: Profile, budget: int) -> Plan:
+        assert release.wait(60)
+        return real(self, profile, budget)
+
+    monkeypatch.setattr(plan_process.PlanningProcess, "plan", held)
+    store = budget_store(0.3)
+    runner = store._runner
+    assert runner is not None
+    model = _model()
+    for step in range(3):
+        with store.offload():
+            _step(model, step)
+    assert store.plan(timeout=0) is None  # on its way, held: not waited for
+    threading.Timer(0.2, release.set).start()
+    plan = store.plan()  # waited for: the search was let go meanwhile
+    assert plan is not None and runner.plan is None  # the next step takes it up
+    with store.offload():
+        _step(model, 3)
+    assert runner.plan is plan
+    # A remade plan on its way, held: plan() does not wait for it.
+    release.clear()
+    assert runner._checker.remake(plan.profile) is None and runner._checker.making()
+    answered: list[Plan | None] = []
+    asker = threading.Thread(target=lambda: answered.append(store.plan(timeout=60)))
+    asker.start()
+    asker.join(10)
+    finished = not asker.is_alive()
+    release.set()
+    assert finished and answered == [plan]
 
 
 def test_a_runner_that_waits_for_plans_waits_for_the_planning_process(

@@ -169,6 +169,7 @@ from tierstore.bench.train_settings import (
     TrainSettings,
     check_shape,
     default_settings,
+    parse_vary_seq,
     quick_settings,
 )
 from tierstore.bench.train_strategies import (
@@ -310,7 +311,10 @@ def bench_train(settings: TrainSettings, *, show_progress: bool = True) -> Train
     if not root.is_dir():
         raise TierstoreError(f"tierstore: bench train: --dir {root} is not a directory")
     model = build_model(settings, device)
-    saved_all, saved_activations = saved_bytes(model, _tokens(settings, 0, device))
+    # At the longest length, where lengths vary: the disk budget holds every step.
+    saved_all, saved_activations = saved_bytes(
+        model, _tokens(replace(settings, vary_seq=None), 0, device)
+    )
     budget = settings.disk_budget_bytes
     if budget is None:
         # Parameters are never offloaded: only the activations need room.
@@ -393,6 +397,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and 15 s on busy ones (with --fresh-processes --live-pass: 30 to 50 s)",
     )
     add_model_arguments(parser, full)
+    parser.add_argument(
+        "--vary-seq",
+        default=None,
+        metavar="MIN:MAX",
+        help="draw each step's sequence length from MIN to MAX (seeded by --seed, the same "
+        "lengths in every row); the model's context (--seq) is MAX unless given; the table "
+        "adds step time per token and the share of measured steps that ran planned",
+    )
     parser.add_argument("--steps", type=int, default=full.steps, help="measured steps (default 4)")
     parser.add_argument("--warmup", type=int, default=full.warmup, help="warm-up steps (default 1)")
     parser.add_argument(
@@ -530,6 +542,9 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     """
     base = quick_settings() if args.quick else default_settings()
     sizes = _sized(args)
+    vary_seq = parse_vary_seq(args.vary_seq) if args.vary_seq else None
+    if vary_seq is not None:
+        sizes.setdefault("seq", vary_seq[1])
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if args.sweep:
         strategies = list(sweep_strategies(sizes.get("layers", base.layers)))
@@ -539,6 +554,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     return replace(
         base,
         **sizes,
+        vary_seq=vary_seq,
         steps=args.steps,
         warmup=args.warmup,
         strategies=(*strategies, *(b for b in budgets if b not in strategies)),

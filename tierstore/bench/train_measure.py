@@ -90,6 +90,14 @@ class StrategyResult:
     #: counts it (NOTE [ Rows under a memory limit ] in tierstore/bench/train_runs.py).
     killed: bool = False
     cgroup_peak_bytes: int | None = None
+    #: Tokens each measured step trained on (batch times its length; ``--vary-seq``).
+    tokens: list[int] = field(default_factory=list)
+    #: The measured steps' time over their tokens, seconds per token.
+    s_per_token: float | None = None
+    #: Budget rows: the measured steps that ran under a plan to the end of their forward.
+    planned_steps: int | None = None
+    #: ``planned_steps`` over the measured steps.
+    planned_share: float | None = None
 
 
 class _Sampler:
@@ -156,7 +164,11 @@ def _thin(samples: list[tuple[float, Any]], key: Callable[[Any], float]) -> list
 
 def _tokens(settings: TrainSettings, step: int, device: torch.device) -> torch.Tensor:
     gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
-    shape = (settings.batch, settings.seq + 1)
+    length = settings.seq
+    if settings.vary_seq is not None:  # the same length at each step in every row
+        low, high = settings.vary_seq
+        length = int(torch.randint(low, high + 1, (1,), generator=gen))
+    shape = (settings.batch, length + 1)
     return torch.randint(0, settings.vocab, shape, generator=gen).to(device)
 
 
@@ -255,6 +267,9 @@ class _Bench:
         self.trim = trim
         self.cuda = device.type == "cuda"
         self._rss = None if self.cuda else AnonRss()
+        #: The last step's tokens (batch times length) and whether its forward ran planned.
+        self.last_tokens = 0
+        self.last_planned: bool | None = None
 
     def memory_now(self) -> int:
         if self._rss is None:
@@ -307,6 +322,9 @@ class _Bench:
                     result.tier_timeline = {"step": step + 1, **timeline}
             else:
                 result.step_s.append(took)
+                result.tokens.append(self.last_tokens)
+                if self.last_planned is not None:
+                    result.planned_steps = (result.planned_steps or 0) + self.last_planned
                 result.timeline = {"step": step + 1, **timeline}
         _summarize(result, before, strategy.stats(), settings.steps)
         if budgeted:
@@ -328,6 +346,7 @@ class _Bench:
         ``poll_tiers`` also samples the store's bytes per tier (untimed steps).
         """
         tokens = _tokens(self.settings, step, self.device)
+        self.last_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
         # In place: the gradients' memory then belongs to the baseline.
         self.model.zero_grad(set_to_none=False)
         if self.trim:
@@ -349,6 +368,7 @@ class _Bench:
             start = time.perf_counter()
             with strategy.forward():
                 loss = self.model.loss(tokens)
+                self.last_planned = strategy.planned()
             loss.backward()
             opt.step()
             if self.cuda:
@@ -440,6 +460,10 @@ def _summarize(
 ) -> None:
     result.median_step_s = median(result.step_s)
     result.peak_memory_bytes = max(result.peak_bytes)
+    if sum(result.tokens):
+        result.s_per_token = sum(result.step_s) / sum(result.tokens)
+    if result.planned_steps is not None and result.step_s:
+        result.planned_share = result.planned_steps / len(result.step_s)
     if after is None:
         return
     result.tiers = {

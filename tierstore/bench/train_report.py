@@ -331,18 +331,27 @@ def _wrap(text: str) -> str:
 def _headline_table(report: TrainReport) -> str:
     """Step time and the headline memory per row, against none's and disk-naive's; gradients."""
     cuda = report.model["device"].startswith("cuda")
+    varying = report.settings.get("vary_seq") is not None
     headers = ["strategy", "step s", "vs none", "vs naive"]
+    headers += ["us/token", "planned"] if varying else []
     headers += ["reserved" if cuda else "peak RSS", "vs none", "vs naive", "grad diff"]
     cells = []
     for r in report.rows:
         if r.killed:  # See NOTE [ Rows under a memory limit ]
-            row = [r.name, KILLED, NA, NA, KILLED, NA, NA, NA]
-        else:
-            row = [r.name, f"{r.median_step_s:.3f}", fmt_ratio(r.step_vs_none)]
-            row += [fmt_ratio(r.step_vs_naive), human_bytes(r.peak_memory_bytes)]
-            row += [fmt_ratio(r.memory_vs_none), fmt_ratio(r.memory_vs_naive)]
-            # Three digits: the magnitude of a difference; the JSON keeps all of it.
-            row.append(f"{r.max_grad_diff:.3g}" if r.max_grad_diff is not None else NA)
+            row = [r.name, KILLED, NA, NA] + ([NA, NA] if varying else [])
+            row += [KILLED, NA, NA, NA]
+            cells.append(row)
+            continue
+        row = [r.name, f"{r.median_step_s:.3f}", fmt_ratio(r.step_vs_none)]
+        row.append(fmt_ratio(r.step_vs_naive))
+        if varying:  # --vary-seq: steps differ in length, so time per token
+            per_token = NA if r.s_per_token is None else f"{r.s_per_token * 1e6:.1f}"
+            share = NA if r.planned_share is None else f"{r.planned_share:.0%}"
+            row += [per_token, share]
+        row += [human_bytes(r.peak_memory_bytes)]
+        row += [fmt_ratio(r.memory_vs_none), fmt_ratio(r.memory_vs_naive)]
+        # Three digits: the magnitude of a difference; the JSON keeps all of it.
+        row.append(f"{r.max_grad_diff:.3g}" if r.max_grad_diff is not None else NA)
         cells.append(row)
     return format_table(headers, cells)
 
@@ -467,7 +476,8 @@ def _describe(report: TrainReport) -> str:
     live = s.get("live_measure")
     return _wrap(
         f"tierstore bench train: GPT {m['layers']} blocks, d_model {m['d_model']}, "
-        f"heads {m['heads']}, seq {m['seq']}, batch {m['batch']}, vocab {m['vocab']} "
+        f"heads {m['heads']}, seq {m['seq']}{_lengths(s)}, batch {m['batch']}, "
+        f"vocab {m['vocab']} "
         f"({m['parameters'] / 1e6:.1f}M parameters), fp32 on {m['device']}; saved activations "
         f"{human_bytes(m['saved_activation_bytes_per_step'])} per step; "
         f"{s['warmup']} warm-up + {s['steps']} measured steps per strategy; "
@@ -491,4 +501,17 @@ def _describe(report: TrainReport) -> str:
         f"{RECOMPUTE_SUFFIX}: the same store with recompute='cheap'; "
         "grad diff = max |grad diff| vs none over all parameters after the last step"
         + "".join(f"\nskipped {name}: {why}" for name, why in s.get("skipped", {}).items())
+    )
+
+
+def _lengths(settings: dict[str, Any]) -> str:
+    """How ``--vary-seq`` drew the steps' lengths, for the description; ``""`` without it."""
+    vary = settings.get("vary_seq")
+    if vary is None:
+        return ""
+    low, high = vary
+    return (
+        f" (each step's length drawn from {low}-{high}, seed {settings['seed']}; us/token = "
+        "the measured steps' time over their tokens; planned = the measured steps whose "
+        "forward ran under a plan)"
     )

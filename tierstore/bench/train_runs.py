@@ -191,6 +191,8 @@ def _child_setup(payload_json: str) -> tuple[dict[str, Any], TrainSettings]:
         sys.exit("tierstore: bench train: the parent process ended before this child started")
     fields = payload["settings"]
     fields["strategies"] = tuple(fields["strategies"])
+    if fields.get("vary_seq") is not None:
+        fields["vary_seq"] = tuple(fields["vary_seq"])
     torch.set_num_threads(payload["threads"])
     return payload, TrainSettings(**fields)
 

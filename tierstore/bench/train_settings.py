@@ -29,6 +29,7 @@ __all__ = [
     "check_shape",
     "default_settings",
     "make_optimizer",
+    "parse_vary_seq",
     "quick_settings",
 ]
 
@@ -58,6 +59,9 @@ class TrainSettings:
     d_model: int = 512
     heads: int = 8
     seq: int = 512
+    #: ``--vary-seq MIN:MAX``: each step's sequence length drawn from MIN to MAX, seeded
+    #: (``seq``, the model's context, is MAX or more); ``None``: every step at ``seq``.
+    vary_seq: tuple[int, int] | None = None
     batch: int = 8
     vocab: int = 512
     dropout: float = 0.1
@@ -150,6 +154,13 @@ def check_shape(settings: TrainSettings) -> None:
             raise TierstoreError(
                 f"tierstore: bench train: {option} {value}: expected a whole number >= 1"
             )
+    if settings.vary_seq is not None:
+        low, high = settings.vary_seq
+        if not 1 <= low <= high <= settings.seq:
+            raise TierstoreError(
+                f"tierstore: bench train: --vary-seq {low}:{high} with --seq {settings.seq}: "
+                "expected 1 <= MIN <= MAX <= --seq"
+            )
     if settings.d_model % settings.heads:
         raise TierstoreError(
             f"tierstore: bench train: d_model={settings.d_model} is not a multiple of "
@@ -160,3 +171,30 @@ def check_shape(settings: TrainSettings) -> None:
             f"tierstore: bench train: --optimizer {settings.optimizer}: expected one of "
             f"{', '.join(OPTIMIZERS)}"
         )
+
+
+def parse_vary_seq(text: str) -> tuple[int, int]:
+    """``--vary-seq MIN:MAX`` as ``(MIN, MAX)``.
+
+    Raises:
+        TierstoreError: naming the option and the value.
+
+    Example:
+        >>> parse_vary_seq("96:256")
+        (96, 256)
+        >>> parse_vary_seq("256")
+        Traceback (most recent call last):
+        ...
+        tierstore.errors.TierstoreError: tierstore: bench train: --vary-seq 256: expected ...
+    """
+    low, sep, high = text.partition(":")
+    try:
+        bounds = (int(low), int(high))
+    except ValueError:
+        bounds = (0, 0)
+    if not sep or not 1 <= bounds[0] <= bounds[1]:
+        raise TierstoreError(
+            f"tierstore: bench train: --vary-seq {text}: expected MIN:MAX, two whole numbers "
+            "with 1 <= MIN <= MAX, such as 96:256"
+        )
+    return bounds

@@ -129,6 +129,10 @@ class _Strategy:
     def stats(self) -> Stats | None:
         return None
 
+    def planned(self) -> bool | None:
+        """Whether the step under way follows a plan; ``None``: a row with no budget."""
+        return None
+
     def after_step(self) -> None:
         pass
 
@@ -271,6 +275,10 @@ class _Tierstore(_Strategy):
 
     def stats(self) -> Stats:
         return self.store.stats()
+
+    def planned(self) -> bool | None:
+        runner = self.store._runner
+        return None if runner is None else runner.planned
 
     def close(self) -> None:
         self.store.close()

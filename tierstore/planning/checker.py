@@ -35,7 +35,15 @@ from tierstore.planning.recorder import _scaled_save
 if TYPE_CHECKING:
     from tierstore.planning.runner import PlanRunner
 
-__all__ = ["FAR_OFF", "REFIT_STEPS", "REFIT_TOLERANCE", "STALLED", "PlanChecker", "budget_bytes"]
+__all__ = [
+    "FAR_OFF",
+    "FIRST_PLAN_WAIT",
+    "REFIT_STEPS",
+    "REFIT_TOLERANCE",
+    "STALLED",
+    "PlanChecker",
+    "budget_bytes",
+]
 
 # NOTE [ Charging a slow step ]
 # A slow step's excess goes to what the profile could not price. On a CPU
@@ -82,7 +90,7 @@ __all__ = ["FAR_OFF", "REFIT_STEPS", "REFIT_TOLERANCE", "STALLED", "PlanChecker"
 # the first of a shape of step as well as a remade one, is made in a process
 # of its own (PlanningProcess in planning/process.py, which runs
 # planning/worker.py: the planner module alone, the profile in and the plan
-# out as JSON, at a lower priority) while the steps go on: under the plan
+# out as JSON, at a lower priority after the first plan) while the steps go on: under the plan
 # they have, or, before the first, on the safe placement (NOTE [ Planned
 # steps ] in planning/runner.py) without the profile's recording and
 # timing; the runner switches to the new plan at the first step boundary
@@ -110,6 +118,30 @@ __all__ = ["FAR_OFF", "REFIT_STEPS", "REFIT_TOLERANCE", "STALLED", "PlanChecker"
 # store's process gone). Tests pass background=False to make plans where the
 # check runs, or set first_plan_at_once to count steps to the first plan.
 
+# NOTE [ The first plan ]
+# The docs promise a plan from the third step: the first warms up, the
+# second is profiled, and the profile ends where the third begins. A search
+# there takes a fraction of a second to seconds (make_plan on a GPT of 6
+# blocks, 100 saves: about 0.5 s in the process, alone; more beside the
+# step), and the third step would otherwise run on the safe placement
+# beside it, on the same cores: on a CPU machine a step beside the search
+# runs slower than the profiled one. So where no plan of any shape exists
+# yet, the step after the profile waits for its plan, up to FIRST_PLAN_WAIT
+# times the profiled step's time, and runs planned when it came: the first
+# plan costs at most a step once. Past that the steps go on as below, and
+# the plan is taken up at the first step boundary after it is ready. Only
+# the first plan: once a plan exists, a new shape's or a remade one never
+# holds a step up. The planning process is started as the store's first
+# step begins (the warm-up, whose time counts for nothing), so that an
+# interpreter's start is not in the first plan's time; a budget of all the
+# step saves (1.0 or more) never searches and starts none. It makes the
+# first plan at the training's priority (the step waits for it; niced, on a
+# machine whose cores other work shares, it got none of them and came
+# seconds late) and lowers its own after it. TierStore.plan()
+# waits the same way, for as long as its timeout, where a profile ended and
+# its plan is on its way, and never once a plan exists (a logging callback
+# may call it every step).
+
 # NOTE [ A stalled first step ]
 # The first planned step of a shape is checked alone, and a check far off
 # acts at once (NOTE [ Planned steps ] in planning/runner.py): the excess is
@@ -131,6 +163,9 @@ FAR_OFF = 0.5
 STALLED = 5.0
 #: The planned steps whose median each check after the first compares with the prediction.
 REFIT_STEPS = 3
+#: How long, in profiled steps' time, the step after the store's first profile waits for
+#: its plan (NOTE [ The first plan ]).
+FIRST_PLAN_WAIT = 1.0
 
 
 def budget_bytes(budget: int | float, saved_bytes: int) -> int:
@@ -194,6 +229,21 @@ class PlanChecker:
     def making(self) -> bool:
         """Whether a plan is being made off the training thread."""
         return self._remaking is not None and self._remaking.is_alive()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the plan being made; whether one is ready.
+
+        NOTE [ The first plan ]. Returns at once where none is on its way.
+        """
+        remaking = self._remaking
+        if self.remade is None and remaking is not None and remaking.is_alive():
+            remaking.join(max(timeout, 0.0))
+        return self.remade is not None
+
+    def warm(self) -> None:
+        """Start the planning process ahead of the first plan (NOTE [ The first plan ])."""
+        if not self._closed:
+            self._process().start()
 
     def forget(self, expected: tuple[int, ...]) -> None:
         """The shape of ``expected`` fell out of the runner's kept plans."""

@@ -134,6 +134,20 @@ __all__ = [
 # playing it again).
 
 
+# NOTE [ The default is a plan ]
+# A store without a budget offloads every save through its default windows
+# (prefetch_bytes, write_queue_bytes; the profile's window_bytes). That is a
+# plan too, and the profile prices it without running it: the link's rates
+# and the per-byte and per-save costs the checks charge. make_plan counts it
+# among its starts at that window, and where its peak (the bytes it holds,
+# in flight included) fits the budget, no plan slower than it is returned:
+# the search's best is compared with it after the last change of choices
+# (tied()), and the default is taken where it is faster. Where it does not
+# fit, no budget can match it: the budget is below what the default's
+# windows hold in flight, and the plan pays for a smaller window or for
+# rebuilds to get below it.
+
+
 # NOTE [ Replayed modules ]
 # A plan's rebuilds are replayed one of two ways. Op by op: the recorder (a
 # TorchDispatchMode) runs Python on every op of the modules it records in,
@@ -520,6 +534,10 @@ def make_plan(profile: Profile, budget_bytes: int) -> Plan:
     choices, outcome, window = best
     if tuple(choices) != (chosen := tied(profile, choices)):  # NOTE [ A tensor saved twice ]
         choices, outcome = list(chosen), simulate(profile, chosen, window)
+    default = _all(profile, "offload")  # NOTE [ The default is a plan ]
+    priced = simulate(profile, default, profile.window_bytes)
+    if priced.peak_bytes <= budget_bytes and priced.step_s < outcome.step_s:
+        choices, outcome, window = list(default), priced, profile.window_bytes
     return Plan(
         profile=profile,
         choices=tuple(choices),

@@ -74,22 +74,40 @@ class PlanningProcess:
         self._lock = threading.Lock()
         self._closed = False
 
+    def start(self) -> None:
+        """Start the process now, ahead of its first plan (NOTE [ The first plan ]).
+
+        Example:
+            >>> from tierstore.planning.process import PlanningProcess
+            >>> worker = PlanningProcess()
+            >>> worker.start(); worker.start()  # one process: the second finds it running
+            >>> worker.close()
+        """
+        with self._lock:
+            if not self._closed:
+                self._running()
+
+    def _running(self) -> subprocess.Popen[bytes]:
+        """The process, started where none runs (under the lock)."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            if self._ender is not None:
+                self._ender()  # one that ended: its pipes, before another's
+            process = self._process = subprocess.Popen(
+                [sys.executable, "-I", WORKER],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                close_fds=True,
+            )
+            self._ender = weakref.finalize(self, _end, process)
+        return process
+
     def plan(self, profile: Profile, budget: int) -> Plan:
         """``make_plan(profile, budget)``, made in the planning process."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("tierstore: the planning process was closed")
-            process = self._process
-            if process is None or process.poll() is not None:
-                if self._ender is not None:
-                    self._ender()  # one that ended: its pipes, before another's
-                process = self._process = subprocess.Popen(
-                    [sys.executable, "-I", WORKER],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    close_fds=True,
-                )
-                self._ender = weakref.finalize(self, _end, process)
+            process = self._running()
             assert process.stdin is not None and process.stdout is not None
             fields = _fields(profile, _HOOKS_ONLY)  # not the hooks layer's
             fields["saves"] = [_fields(save) for save in profile.saves]

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from tierstore.config import TierConfig
-from tierstore.planning.checker import PlanChecker
+from tierstore.planning.checker import FIRST_PLAN_WAIT, PlanChecker
 from tierstore.planning.limits import StepLimits
 from tierstore.planning.planner import Choice, Plan
 from tierstore.planning.recorder import ProfileRecorder, RebuildTime, _Row, _Step
@@ -75,9 +75,10 @@ __all__ = ["PLANS_KEPT", "PlanRunner"]
 # plan, or the plan gets its measured time and peak beside the predicted
 # (PlanChecker in planning/checker.py).
 # The store's first step only warms up (lazy initialisation and first
-# allocations make it slower than any other); the one after it is profiled.
-# A prediction more than 10% off is corrected and the plan made again. The
-# first planned step of a shape is checked alone (a profile far off is
+# allocations make it slower than any other); the one after it is profiled,
+# and the third waits a while for the first plan (NOTE [ The first plan ] in
+# planning/checker.py). A prediction more than 10% off is corrected and the
+# plan made again. The first planned step of a shape is checked alone (a profile far off is
 # corrected at once); after that, the median of each REFIT_STEPS steps in a
 # row under the plan in use (one step is noisy). The checks go on for as
 # long as the plan runs: a machine's steps can keep getting faster for
@@ -258,6 +259,8 @@ class PlanRunner(StepLimits):
 
     def _begin(self) -> _Step:
         profiling = self._profile_next()
+        if profiling and not self._warmed and self._may_search():
+            self._checker.warm()  # NOTE [ The first plan ] in planning/checker.py
         step = _Step(time.perf_counter(), profiling, waits_at_start=self.waits())
         step.waiting = not profiling and self.plan is None
         self._recorder.begin(step)
@@ -271,6 +274,25 @@ class PlanRunner(StepLimits):
         ):
             self._cpu_step_began(plan.hands_back)
         return step
+
+    def _may_search(self) -> bool:
+        """Whether the first plan may be searched in the planning process."""
+        all_saves = isinstance(self.budget, float) and self.budget >= 1.0
+        return self.background and not self.first_plan_at_once and not all_saves
+
+    def plan_now(self, timeout: float) -> Plan | None:
+        """The plan in use; before the first, the one on its way, waited for up to ``timeout``.
+
+        NOTE [ The first plan ] in planning/checker.py: never waits once a
+        plan exists. A plan that came while a step runs is the next step's:
+        it is returned, and taken up at the step boundary.
+        """
+        if self.plan is None:
+            self._checker.wait(timeout)
+            remade = self._checker.remade
+            if self.plan is None and remade is not None:
+                return remade[1]
+        return self.plan
 
     def waits(self) -> float:
         """The store's waits so far, seconds (NOTE [ Timing a profile ] in planning/timers.py)."""
@@ -563,7 +585,10 @@ class PlanRunner(StepLimits):
         expected = tuple(r.nbytes for r in step.rows)
         self._unseen = None
         compiled = (step.compiled_bytes, len(step.compiled_in))
-        return self._checker.profiled(profile, expected, compiled)
+        line = self._checker.profiled(profile, expected, compiled)
+        if line is None and self.plan is None and self._checker.wait(FIRST_PLAN_WAIT * total):
+            line = self._adopt()  # NOTE [ The first plan ] in planning/checker.py
+        return line
 
     def close(self) -> None:
         """Drop a plan still being made and end the planning process. Idempotent.

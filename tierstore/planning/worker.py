@@ -31,7 +31,7 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import IO, TYPE_CHECKING, Any
 
 #: The planner's modules, each before those that import it: all pure (the
@@ -88,8 +88,10 @@ def plan_of(request: dict[str, Any]) -> dict[str, Any]:
     return {name: getattr(plan, name) for name in PLAN_FIELDS}
 
 
-def serve(lines: Iterable[str], out: IO[str]) -> None:
+def serve(lines: Iterable[str], out: IO[str], answered: Callable[[], None] = lambda: None) -> None:
     """Answer each request line with its plan's line, flushed, until ``lines`` ends.
+
+    ``answered`` is called after the first answer.
 
     Example:
         >>> import io
@@ -99,13 +101,26 @@ def serve(lines: Iterable[str], out: IO[str]) -> None:
         >>> out.getvalue()
         ''
     """
+    first = True
     for line in lines:
         out.write(json.dumps(plan_of(json.loads(line))) + "\n")
         out.flush()
+        if first:
+            first = False
+            answered()
+
+
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError):
+        os.nice(10)
 
 
 def main() -> None:
-    """The process's life: no yields, a lower priority, stdin's requests answered on stdout.
+    """The process's life: no yields, stdin's requests answered on stdout.
+
+    At the training's priority until the first plan, which the step after
+    the profile waits for; at a lower one after it (NOTE [ The first plan ]
+    in planning/checker.py): later plans are made while the steps go on.
 
     Example:
         >>> from tierstore.planning.worker import main
@@ -113,9 +128,7 @@ def main() -> None:
         True
     """
     simulation.YIELD_BETWEEN_SIMULATIONS = False  # nothing else runs here
-    with contextlib.suppress(OSError):
-        os.nice(10)
-    serve(sys.stdin, sys.stdout)
+    serve(sys.stdin, sys.stdout, _lower_priority)
 
 
 if __name__ == "__main__":
