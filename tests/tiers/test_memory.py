@@ -50,7 +50,11 @@ def _v1(root: Path, *, leaf_limit: int, parent_limit: int) -> Path:
     for path, (limit, usage, inactive) in levels.items():
         _write(path / "memory.limit_in_bytes", f"{limit}\n")
         _write(path / "memory.usage_in_bytes", f"{usage}\n")
-        _write(path / "memory.stat", f"cache 5\ninactive_file 7\ntotal_inactive_file {inactive}\n")
+        _write(
+            path / "memory.stat",
+            f"cache 5\ninactive_file 7\ntotal_inactive_file {inactive}\n"
+            f"total_active_file {inactive}\ntotal_dirty {inactive // 2}\ntotal_writeback 0\n",
+        )
     return mount
 
 
@@ -66,7 +70,10 @@ def _v2(root: Path, *, path: str = "/pod/ctr") -> Path:
     ):
         _write(mount / sub / "memory.max", f"{limit}\n")
         _write(mount / sub / "memory.current", f"{current}\n")
-        _write(mount / sub / "memory.stat", f"anon 1\nactive_file 3\ninactive_file {inactive}\n")
+        _write(
+            mount / sub / "memory.stat",
+            f"anon 1\nactive_file {inactive}\ninactive_file {inactive}\nfile_dirty 5\n",
+        )
     return mount
 
 
@@ -76,16 +83,17 @@ def test_v1_reads_the_tightest_limit_up_the_hierarchy(tmp_path: Path) -> None:
     level = probe.tightest()
     assert level is not None
     assert level.path == mount / "kubepods/pod"
-    assert (level.limit, level.usage) == (4 * GiB, 2 * GiB)  # usage less total_inactive_file
+    # Usage less the clean page cache: 1 GiB inactive and 1 GiB active, half of it dirty.
+    assert (level.limit, level.usage) == (4 * GiB, 3 * GiB - 3 * GiB // 2)
     reading = probe.read()
-    assert reading == MemoryReading(4 * GiB, 2 * GiB, f"cgroup {mount / 'kubepods/pod'}", 1)
+    assert reading == MemoryReading(4 * GiB, 3 * GiB // 2, f"cgroup {mount / 'kubepods/pod'}", 1)
 
 
 def test_v1_a_tighter_leaf_wins(tmp_path: Path) -> None:
     mount = _v1(tmp_path, leaf_limit=3 * GiB + 512 * MiB, parent_limit=8 * GiB)
     reading = HostMemory(tmp_path, local_world_size=1).read()
     assert reading.capacity == 3 * GiB + 512 * MiB
-    assert reading.in_use == 2 * GiB
+    assert reading.in_use == 3 * GiB // 2
     assert reading.source == f"cgroup {mount / 'kubepods/pod/ctr'}"
 
 
@@ -109,7 +117,9 @@ def test_a_limit_above_what_is_available_reads_what_is_available(tmp_path: Path)
 def test_v2_reads_memory_max_current_and_inactive_file(tmp_path: Path) -> None:
     mount = _v2(tmp_path)
     reading = HostMemory(tmp_path, local_world_size=1).read()
-    assert reading == MemoryReading(4 * GiB, 3 * GiB - 512 * MiB, f"cgroup {mount / 'pod'}", 1)
+    # Usage less the clean page cache: 512 MiB active, 512 MiB inactive, 5 bytes dirty.
+    in_use = 3 * GiB - GiB + 5
+    assert reading == MemoryReading(4 * GiB, in_use, f"cgroup {mount / 'pod'}", 1)
 
 
 def test_v2_in_a_cgroup_namespace_reads_the_mount(tmp_path: Path) -> None:

@@ -44,10 +44,14 @@ __all__ = [
 # as the mount's root. A limit may sit on any ancestor (a pod's limit above
 # its container's), so every level from the process's up to the mount is
 # read, and the level with the least room (limit less usage) is the one the
-# process lives under. Usage leaves out the inactive page cache
-# (memory.stat inactive_file, v1 total_inactive_file), which the kernel
-# reclaims before it kills anything: the working set, as the kubelet counts
-# it. A v1 limit of UNLIMITED or more (the kernel's "no limit",
+# process lives under. Usage leaves out the clean page cache (memory.stat's
+# active_file and inactive_file less file_dirty and file_writeback; v1's
+# total_ keys), which the kernel reclaims at the limit before it kills
+# anything. The kubelet's working set leaves out only the inactive part,
+# but a disk tier's spill file read back every step keeps its pages active:
+# counted, they would grow with the file and shrink the budget each step.
+# Dirty pages and a tmpfs spill (shared memory, not file cache) are counted:
+# neither can be dropped. A v1 limit of UNLIMITED or more (the kernel's "no limit",
 # 9223372036854771712 once rounded to pages) and v2's "max" mean no limit.
 # With none, the kernel's MemAvailable is the room: capacity is MemAvailable
 # plus what the process holds (its resident set), and in use is that
@@ -117,16 +121,29 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
-def _stat(path: Path, key: str) -> int:
-    """A key of a cgroup's memory.stat, 0 where the file or the key is missing."""
+def _stat(path: Path) -> dict[str, int]:
+    """A cgroup's memory.stat; empty where the file is missing."""
+    out: dict[str, int] = {}
     try:
         for line in path.read_text().splitlines():
             name, _, value = line.partition(" ")
-            if name == key:
-                return int(value)
-    except (OSError, ValueError):
+            if value.strip().isdigit():
+                out[name] = int(value)
+    except OSError:
         pass
-    return 0
+    return out
+
+
+#: memory.stat's keys for the clean page cache: (file pages, dirty, under writeback).
+_V1_CACHE = (("total_active_file", "total_inactive_file"), "total_dirty", "total_writeback")
+_V2_CACHE = (("active_file", "inactive_file"), "file_dirty", "file_writeback")
+
+
+def _reclaimable(stat: dict[str, int], version: str) -> int:
+    """The clean page cache of a cgroup: what its memory.stat says the kernel can drop."""
+    files, dirty, writeback = _V2_CACHE if version == "v2" else _V1_CACHE
+    cache = sum(stat.get(key, 0) for key in files)
+    return max(0, cache - stat.get(dirty, 0) - stat.get(writeback, 0))
 
 
 class _Level(NamedTuple):
@@ -214,14 +231,13 @@ class HostMemory:
             if version == "v2":
                 limit = _read_int(path / "memory.max")
                 usage = _read_int(path / "memory.current")
-                inactive = _stat(path / "memory.stat", "inactive_file")
             else:
                 limit = _read_int(path / "memory.limit_in_bytes")
                 usage = _read_int(path / "memory.usage_in_bytes")
-                inactive = _stat(path / "memory.stat", "total_inactive_file")
             if limit is None or limit >= UNLIMITED or usage is None:
                 continue
-            level = _Level(path, limit, max(0, usage - inactive))
+            cache = _reclaimable(_stat(path / "memory.stat"), version)
+            level = _Level(path, limit, max(0, usage - cache))
             if tightest is None or level.limit - level.usage < tightest.limit - tightest.usage:
                 tightest = level
         return tightest
