@@ -146,6 +146,7 @@ def test_the_budget_follows_a_capacity_that_shrinks_between_steps(
         # At once: this step runs the safe placement within the new budget.
         assert runner.budget == saved // 2
         assert not runner.planned and runner._step is not None and runner._step.waiting
+        assert runner.kept() == (0, 0)  # none of the plan's: the safe placement's
     remaking = runner._checker._remaking
     if remaking is not None:
         remaking.join()

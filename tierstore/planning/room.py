@@ -21,11 +21,13 @@ Example:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tierstore.config import TierConfig, human_bytes
+from tierstore.tiers.host_pool import release_free_heap
 from tierstore.tiers.memory import CudaMemory, HostMemory, MemoryProbe, filesystem_type
 
 __all__ = ["GROW", "ROOM_STEPS", "Room", "RoomBudget"]
@@ -54,7 +56,10 @@ __all__ = ["GROW", "ROOM_STEPS", "Room", "RoomBudget"]
 # which the margin holds too. Reserved bytes themselves would not do: the
 # caching allocator keeps what an earlier, larger step reserved, so a plan
 # that keeps less would look as if its working memory had grown, and the
-# budget would shrink step after step.
+# budget would shrink step after step. On a CPU the same holds of glibc's
+# heap, which keeps the pages of what the last step freed resident: so the
+# heap's free pages go back to the system (NOTE [ Handing the heap back ] in
+# tierstore/tiers/host_pool.py) before the step's start is read.
 # The first step has no measure: it runs the safe placement with a reserve
 # held back for its working memory, the larger of half the room and the
 # process's own usage at its start. The usage holds the parameters, so it
@@ -153,6 +158,8 @@ class Room:
     def __init__(self, config: TierConfig, probe: MemoryProbe | None = None) -> None:
         self._config = config
         self.probe = probe
+        #: Hands the heap's free pages back before a CPU reading (NOTE [ The room a step has ]).
+        self.trim: Callable[[], object] | None = release_free_heap
         self.warnings: list[str] = []  # for the runner's caller, each once
         self._rooms: deque[int] = deque(maxlen=ROOM_STEPS)
         self._working: deque[int] = deque(maxlen=ROOM_STEPS)
@@ -175,6 +182,8 @@ class Room:
     def step_began(self) -> RoomBudget:
         """Read the memory as a step begins: its budget (NOTE [ The room a step has ])."""
         probe = self._probe()
+        if self.trim is not None and isinstance(probe, HostMemory):
+            self.trim()
         reading = probe.read()
         self._started = probe.usage()
         self._backward = self._ended = None

@@ -593,7 +593,7 @@ class PlanRunner(StepLimits):
         in tiers/manager.py).
         """
         step = self._step
-        if step is None or step.profiling:
+        if step is None or step.profiling or step.waiting:  # waiting: no plan followed
             return 0, 0
         upto = step.deviated_at if step.deviated_at is not None else step.index
         return self._kept_before[min(upto, len(self._kept_before) - 1)]
