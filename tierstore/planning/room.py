@@ -59,7 +59,9 @@ __all__ = ["GROW", "ROOM_STEPS", "Room", "RoomBudget"]
 # budget would shrink step after step. On a CPU the same holds of glibc's
 # heap, which keeps the pages of what the last step freed resident: so the
 # heap's free pages go back to the system (NOTE [ Handing the heap back ] in
-# tierstore/tiers/host_pool.py) before the step's start is read.
+# tierstore/tiers/host_pool.py) before the step's start and backward's end
+# are read; unreturned, the saves a plan keeps would read as working memory
+# at backward's end, and the next plan would keep less.
 # The first step has no measure: it runs the safe placement with a reserve
 # held back for its working memory, the larger of half the room and the
 # process's own usage at its start. The usage holds the parameters, so it
@@ -224,8 +226,11 @@ class Room:
 
     def backward_ended(self) -> None:
         """Sample the usage as a backward of the step ends (the last one counts)."""
-        if self.probe is not None:
-            self._ended = self.probe.usage()
+        probe = self.probe
+        if probe is not None:
+            if self.trim is not None and isinstance(probe, HostMemory):
+                self.trim()  # the saves just released: not resident, as the kernel counts
+            self._ended = probe.usage()
 
     def step_ended(self, saves_peak: int) -> None:
         """The step ended with ``saves_peak`` saved bytes resident at most: its working memory.
