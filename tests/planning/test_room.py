@@ -217,7 +217,7 @@ def test_the_room_measures_the_steps_working_memory() -> None:
     room.step_began()
     memory.now = 4 * GiB  # backward begins: 2 GiB of saves, 1 GiB else
     room.backward_began()
-    memory.now = 3 * GiB  # backward ended: gradients of 2 GiB, the saves gone
+    memory.now = 5 * GiB  # backward ended: gradients of 2 GiB beside the saves' pages
     room.backward_ended()
     room.step_ended(saves_peak=2 * GiB)
     memory.now = GiB

@@ -45,8 +45,8 @@ __all__ = ["GROW", "ROOM_STEPS", "Room", "RoomBudget"]
 # (u0), as backward begins (every save the step keeps is resident then, and
 # the tier manager takes the saves' peak there) and as backward ends (every
 # gradient made, the saves released):
-#     working = max(at backward's start - u0 - the saves' peak,
-#                   at backward's end - u0, 0).
+#     working = max(at backward's start, at backward's end) - u0
+#               - the saves' peak (0 at least).
 # A sampler thread would catch an op's temporaries too, but costs a core's
 # slice on every step and holds the interpreter lock; two reads a step do
 # not, and the margin holds what falls between them. Usage is the resident
@@ -59,9 +59,11 @@ __all__ = ["GROW", "ROOM_STEPS", "Room", "RoomBudget"]
 # budget would shrink step after step. On a CPU the same holds of glibc's
 # heap, which keeps the pages of what the last step freed resident: so the
 # heap's free pages go back to the system (NOTE [ Handing the heap back ] in
-# tierstore/tiers/host_pool.py) before the step's start and backward's end
-# are read; unreturned, the saves a plan keeps would read as working memory
-# at backward's end, and the next plan would keep less.
+# tierstore/tiers/host_pool.py) before the step's start is read. Backward's
+# end is read before any hand-back: the heap keeps what backward freed until
+# then, so the pages of the saves it released are still resident beside the
+# gradients, and that is the step's high-water mark. The saves' peak is taken
+# out of both samples: what is left is what the step needs beyond its saves.
 # The first step has no measure: it runs the safe placement with a reserve
 # held back for its working memory, the larger of half the room and the
 # process's own usage at its start. The usage holds the parameters, so it
@@ -226,14 +228,14 @@ class Room:
 
     def backward_ended(self) -> None:
         """Sample the usage as a backward of the step ends (the last one counts)."""
-        probe = self.probe
-        if probe is not None:
-            if self.trim is not None and isinstance(probe, HostMemory):
-                self.trim()  # the saves just released: not resident, as the kernel counts
-            self._ended = probe.usage()
+        if self.probe is not None:
+            self._ended = self.probe.usage()
 
     def step_ended(self, saves_peak: int) -> None:
         """The step ended with ``saves_peak`` saved bytes resident at most: its working memory.
+
+        NOTE [ The room a step has ]: the higher of backward's two samples
+        above the step's start, less the saves' peak.
 
         A step with no backward measures nothing.
         """
@@ -241,7 +243,7 @@ class Room:
         if began is None or ended is None:
             return
         start = self._started
-        self._working.append(max(began - start - saves_peak, ended - start, 0))
+        self._working.append(max(max(began, ended) - start - saves_peak, 0))
 
     def _warn(self, probe: MemoryProbe) -> None:
         """Settings that cannot fit the memory "auto" reads, said once."""
