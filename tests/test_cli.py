@@ -58,7 +58,9 @@ def test_config_shows_every_size_in_units(
     assert rows["io_workers"][0] == "4"
 
 
-@pytest.mark.parametrize(("value", "shown"), [(None, "none"), ("6GiB", "6.0 GiB"), ("30%", "0.3")])
+@pytest.mark.parametrize(
+    ("value", "shown"), [(None, "none"), ("6GiB", "6.0 GiB"), ("30%", "0.3"), ("auto", "auto")]
+)
 def test_config_shows_activation_budget(
     value: str | None,
     shown: str,
@@ -68,6 +70,20 @@ def test_config_shows_activation_budget(
     if value is not None:
         monkeypatch.setenv("TIERSTORE_ACTIVATION_BUDGET", value)
     assert _config_rows(capsys)["activation_budget"][0] == shown
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [(None, "0.1"), ("512MiB", "512.0 MiB"), ("5%", "0.05")]
+)
+def test_config_shows_memory_margin(
+    value: str | None,
+    shown: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if value is not None:
+        monkeypatch.setenv("TIERSTORE_MEMORY_MARGIN", value)
+    assert _config_rows(capsys)["memory_margin"][0] == shown
 
 
 def _recipe(target: str) -> list[str]:

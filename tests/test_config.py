@@ -12,7 +12,7 @@ from tierstore.config import describe_config
 KNOWN = (
     "Known settings: activation_budget, compression, compression_level, device_budget, "
     "disk_backend, disk_budget, disk_path, host_budget, host_pool_step, io_workers, "
-    "min_offload_bytes, pin_memory, "
+    "memory_margin, min_offload_bytes, pin_memory, "
     "prefetch_bytes, recompute, write_queue_bytes"
 )
 SIZE = "expected a size such as '4GiB', '512MB' or a whole number of bytes"
@@ -238,6 +238,8 @@ def test_configs_that_are_not_configs() -> None:
         ("30%", 0.3),
         (1.0, 1.0),
         ("100%", 1.0),
+        ("auto", "auto"),
+        (" AUTO ", "auto"),
     ],
 )
 def test_activation_budget_is_bytes_or_a_fraction(value: object, parsed: object) -> None:
@@ -256,6 +258,35 @@ def test_activation_budget_from_env_and_toml(
     assert tierstore.load_config().activation_budget == 2 << 30
     with tierstore.offload(activation_budget=0.5, disk_budget=0) as store:
         assert store.config.activation_budget == 0.5
+
+
+def test_activation_budget_auto_from_argument_env_and_toml(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    toml = tmp_path / "conf.toml"
+    toml.write_text('activation_budget = "auto"\nmemory_margin = "512MiB"\n')
+    monkeypatch.setenv("TIERSTORE_CONFIG", str(toml))
+    config = tierstore.load_config()
+    assert (config.activation_budget, config.memory_margin) == ("auto", 512 << 20)
+    monkeypatch.setenv("TIERSTORE_ACTIVATION_BUDGET", "0.5")
+    monkeypatch.setenv("TIERSTORE_MEMORY_MARGIN", "5%")
+    config = tierstore.load_config()
+    assert (config.activation_budget, config.memory_margin) == (0.5, 0.05)
+    monkeypatch.setenv("TIERSTORE_ACTIVATION_BUDGET", "auto")
+    assert tierstore.load_config().activation_budget == "auto"
+    monkeypatch.delenv("TIERSTORE_MEMORY_MARGIN")
+    monkeypatch.delenv("TIERSTORE_CONFIG")
+    assert tierstore.TierConfig(activation_budget="auto").memory_margin == 0.1  # the default
+
+
+@pytest.mark.parametrize(
+    ("value", "parsed"), [(0, 0), ("1GiB", 1 << 30), (0.25, 0.25), ("0.25", 0.25), ("25%", 0.25)]
+)
+def test_memory_margin_is_bytes_or_a_fraction_of_the_capacity(
+    value: object, parsed: object
+) -> None:
+    got = tierstore.TierConfig(memory_margin=value).memory_margin
+    assert got == parsed and type(got) is type(parsed)
 
 
 def test_a_resolved_configuration_is_reused_until_one_of_its_sources_changes(

@@ -52,8 +52,10 @@ FORMS = {
     "compression": "one of 'none', 'zstd'",
     "compression_level": "a whole number from 1 to 22",
     "recompute": "one of 'off', 'cheap'",
-    "activation_budget": "a size such as '6GiB', a fraction of the step's saved bytes such as "
-    "0.3 or '30%', or 'none'",
+    "activation_budget": "'auto', a size such as '6GiB', a fraction of the step's saved bytes "
+    "such as 0.3 or '30%', or 'none'",
+    "memory_margin": "a size such as '512MiB', or a fraction of the memory's capacity such as "
+    "0.1 or '10%'",
 }
 #: A regular file in the working directory (each test's tmp_path), for disk_path.
 A_FILE = "a-file"
@@ -249,6 +251,40 @@ OTHER_CASES = [
     Bad(
         "activation_budget", "toml-type", {"f": 0.3}, "a dict is not a budget", None, "{ f = 0.3 }"
     ),
+    Bad(
+        "activation_budget", "type", "autos", "not a number followed by a unit", "autos", '"autos"'
+    ),
+    # memory_margin: a size, or a fraction of the capacity in [0, 1)
+    Bad("memory_margin", "type", "auto", "not a number followed by a unit", "auto", '"auto"'),
+    Bad(
+        "memory_margin",
+        "type",
+        True,
+        "a bool is not a margin",
+        "true",
+        "true",
+        "not a number followed by a unit",
+    ),
+    Bad("memory_margin", "range", -1, "a margin cannot be negative", "-1", "-1"),
+    Bad("memory_margin", "range", -0.1, "a margin cannot be negative", "-0.1", "-0.1"),
+    *(
+        Bad(
+            "memory_margin",
+            "range",
+            value,
+            f"a fraction of the capacity must be below 1 (got {shown}); give bytes as a size "
+            "such as '512MiB'",
+            env,
+            toml,
+        )
+        for value, shown, env, toml in [
+            (1.0, "1.0", "1.0", "1.0"),
+            ("100%", "100%", "100%", '"100%"'),
+        ]
+    ),
+    Bad("memory_margin", "unit", "1 GB/s", f"unknown unit 'GB/s'; {UNITS}", "1 GB/s", '"1 GB/s"'),
+    Bad("memory_margin", "type", "x%", "'x%' is not a percentage", "x%", '"x%"'),
+    Bad("memory_margin", "toml-type", [0.1], "a list is not a margin", None, "[0.1]"),
 ]
 
 

@@ -194,8 +194,8 @@ def _shown(name: str, value: object) -> str:
     if value is None:
         return "none"  # what TIERSTORE_ACTIVATION_BUDGET=none reads as
     is_size = TierConfig.model_fields[name].annotation is ByteSize
-    # activation_budget: an int is bytes, a float a fraction of the step's saved bytes.
-    if is_size or (name == "activation_budget" and type(value) is int):
+    # activation_budget and memory_margin: an int is bytes, a float a fraction ("auto": as is).
+    if is_size or (name in ("activation_budget", "memory_margin") and type(value) is int):
         return human_bytes(int(value))  # type: ignore[call-overload]
     return str(value)
 

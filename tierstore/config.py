@@ -50,7 +50,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["ENV_PREFIX", "Origin", "TierConfig", "describe_config", "human_bytes", "load_config"]
+__all__ = [
+    "AUTO",
+    "ENV_PREFIX",
+    "Origin",
+    "TierConfig",
+    "describe_config",
+    "human_bytes",
+    "load_config",
+]
 
 #: Prefix of the environment variables that set :class:`TierConfig` fields.
 ENV_PREFIX = "TIERSTORE_"
@@ -137,8 +145,16 @@ def _int_input(value: Any) -> Any:
 
 
 _BUDGET_FORM = (
-    "a size such as '6GiB', a fraction of the step's saved bytes such as 0.3 or '30%', or 'none'"
+    "'auto', a size such as '6GiB', a fraction of the step's saved bytes such as 0.3 or '30%', "
+    "or 'none'"
 )
+_MARGIN_FORM = (
+    "a size such as '512MiB', or a fraction of the memory's capacity such as 0.1 or '10%'"
+)
+
+#: ``activation_budget="auto"``: the budget is the room the device has left, each step
+#: (NOTE [ The room a step has ] in tierstore/planning/room.py).
+AUTO: Literal["auto"] = "auto"
 
 
 # NOTE [ Bytes or a fraction ]
@@ -151,13 +167,15 @@ _LEAST_BARE_BUDGET = 4096
 
 
 def _budget_input(value: Any) -> Any:
-    """``activation_budget``: ``None``, bytes (an int or a size) or a fraction in (0, 1]."""
+    """``activation_budget``: ``None``, ``"auto"``, bytes (an int or a size) or a fraction."""
     if value is None:
         return None
     if isinstance(value, str):
         text = value.strip()
         if text.lower() == "none":
             return None
+        if text.lower() == AUTO:
+            return AUTO
         if text.endswith("%"):
             try:
                 percent = Decimal(text[:-1].strip())
@@ -188,6 +206,39 @@ def _budget_input(value: Any) -> Any:
         raise ValueError(str(exc).replace("a size", "a budget")) from None
 
 
+def _margin_input(value: Any) -> Any:
+    """``memory_margin``: bytes (an int or a size) or a fraction of the capacity in [0, 1)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.endswith("%"):
+            try:
+                percent = Decimal(text[:-1].strip())
+            except ArithmeticError:
+                raise ValueError(f"{text!r} is not a percentage") from None
+            return _margin_fraction(float(percent / 100), text)
+        if re.fullmatch(r"[-+]?(\d+\.\d*|\.\d+)", text):
+            return _margin_fraction(float(text), text)
+    elif isinstance(value, float):
+        return _margin_fraction(value, repr(value))
+    try:
+        return _size_input(value)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("a size", "a margin")) from None
+
+
+def _margin_fraction(value: float, shown: str) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{shown} is not a number")
+    if value < 0:
+        raise ValueError("a margin cannot be negative")
+    if value >= 1:
+        raise ValueError(
+            f"a fraction of the capacity must be below 1 (got {shown}); give bytes as a size "
+            "such as '512MiB'"
+        )
+    return value
+
+
 def _fraction(value: float, shown: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{shown} is not a number")
@@ -214,8 +265,11 @@ def _path_input(value: Any) -> Any:
 
 #: Bytes, given as an int or a string with a unit ("4GiB", "512MB"); NOTE [ Size syntax ].
 Size = Annotated[ByteSize, BeforeValidator(_size_input)]
-#: ``activation_budget``: bytes (int), a fraction of the step's saved bytes (float), or None.
-Budget = Annotated[int | float | None, BeforeValidator(_budget_input)]
+#: ``activation_budget``: ``"auto"``, bytes (int), a fraction of the step's saved bytes
+#: (float), or None.
+Budget = Annotated[Literal["auto"] | int | float | None, BeforeValidator(_budget_input)]
+#: ``memory_margin``: bytes (int) or a fraction of the memory's capacity (float).
+Margin = Annotated[int | float, BeforeValidator(_margin_input)]
 #: A whole number that is not a bool.
 Count = Annotated[int, BeforeValidator(_int_input)]
 
@@ -361,7 +415,21 @@ class TierConfig(BaseSettings):
         "step saves (0.3, '30%'; all of it is 1.0, and a bare whole number below 4 KiB is "
         "refused: 1 would be one byte). tierstore profiles a step and plans keep / offload / "
         "rebuild per saved tensor for the fastest step within it (NOTE [ Planning ] in "
-        "tierstore/planning/planner.py). None: placement by the budgets above.",
+        "tierstore/planning/planner.py). 'auto': at each step's start, what the memory can "
+        "still give the step's saves: its capacity (the GPU's; on a CPU the process's "
+        "cgroup limit, else what the kernel says is available) less what is in use, the "
+        "step's own working memory and memory_margin (NOTE [ The room a step has ] in "
+        "tierstore/planning/room.py). None: placement by the budgets above. Set, it decides "
+        "what stays on the device in place of device_budget.",
+    )
+    memory_margin: Margin = Field(
+        default=0.1,
+        description="Under activation_budget='auto', the memory left unclaimed: a size, or a "
+        "fraction of the capacity (0.1, '10%'). It holds what no step start or backward "
+        "measures: an op's temporaries, the CUDA allocator's fragmentation (reserved over "
+        "allocated, commonly 5-15%), page cache a write dirtied. Half of it is also the band "
+        "the room may fall by before a plan is remade (NOTE [ The room a step has ] in "
+        "tierstore/planning/room.py).",
     )
 
     @field_validator("disk_path", mode="before")
@@ -714,6 +782,8 @@ def _origins(arguments: Mapping[str, Any]) -> dict[str, Origin]:
 def _expected(name: str) -> str:
     if name == "activation_budget":
         return _BUDGET_FORM
+    if name == "memory_margin":
+        return _MARGIN_FORM
     field = TierConfig.model_fields[name]
     annotation = field.annotation
     if annotation is ByteSize:

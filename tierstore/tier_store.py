@@ -92,6 +92,22 @@ def _checked(config: object, where: str) -> TierConfig | None:
     )
 
 
+def _warn_device_budget_unused(config: TierConfig) -> None:
+    """activation_budget decides what stays on the device: a device_budget set too is unused."""
+    if "device_budget" not in config.model_fields_set:
+        return
+    warnings.warn(
+        TierstoreWarning(
+            f"tierstore: device_budget={int(config.device_budget)} is not used: "
+            f"activation_budget={config.activation_budget!r} decides what stays on the device "
+            "(the plan, or the safe placement before one). Unset device_budget "
+            "(TIERSTORE_DEVICE_BUDGET), or activation_budget (TIERSTORE_ACTIVATION_BUDGET) to "
+            "place by the tiers' budgets"
+        ),
+        stacklevel=3,
+    )
+
+
 class TierStore:
     """A tiered store for the tensors autograd saves for backward.
 
@@ -130,6 +146,7 @@ class TierStore:
         if self.config.activation_budget is not None:
             self._runner = PlanRunner(self.config, **self._manager.measures())
             self._manager.follow(self._runner)
+            _warn_device_budget_unused(self.config)
         self._min_bytes = int(self.config.min_offload_bytes)
         self._recompute = policy_of(self.config.recompute)
         self._warned = False  # NOTE [ Is it working? ] in tierstore/stats.py
@@ -291,8 +308,8 @@ class TierStore:
         before = block.before
         if not ok or before is None or self._warned or self._manager.closed:
             return
-        if self._manager.moved:
-            return
+        if self._manager.moved or (self._runner is not None and self._runner.room is not None):
+            return  # under "auto", saves that fit the room stay: nothing to warn of
         message = (
             self._manager.pack_tally()
             .since(before)

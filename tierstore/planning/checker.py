@@ -375,7 +375,7 @@ class PlanChecker:
             self._peak_warned = True
             head = (
                 f"tierstore: the step's peak, measured {human_bytes(peak)}, is above "
-                f"activation_budget={self._runner.budget!r} ({human_bytes(plan.budget_bytes)}): "
+                f"activation_budget={self._runner.asked!r} ({human_bytes(plan.budget_bytes)}): "
             )
             if compiled and regions > 1:
                 cause = (
@@ -421,7 +421,7 @@ class PlanChecker:
 
     def _made(self, plan: Plan, verb: str) -> str:
         """The INFO line of a plan made; the floor warning is set for the caller, once."""
-        budget, profile, asked = plan.budget_bytes, plan.profile, self._runner.budget
+        budget, profile, asked = plan.budget_bytes, plan.profile, self._runner.asked
         if not plan.fits and not self._warned:
             self._warned = True
             peak = plan.predicted_peak_bytes

@@ -378,6 +378,9 @@ class Plan:
             between steps in place of its own (NOTE [ Like with like ] in
             tierstore/planning/runner.py).
         measured_peak_bytes: its measured peak of saved bytes resident.
+        room: under ``activation_budget="auto"``, the latest step's budget and
+            its parts (NOTE [ The room a step has ] in tierstore/planning/room.py);
+            ``""`` otherwise.
     """
 
     profile: Profile
@@ -394,6 +397,7 @@ class Plan:
     #: The measured figures are those of the plan this one replaced, shown
     #: until a step runs on this one.
     measured_before: bool = False
+    room: str = ""
 
     @property
     def fits(self) -> bool:
@@ -448,6 +452,8 @@ class Plan:
             f"floor {_size(self.floor_bytes)}; link out {_rate(profile.write_bytes_per_s)}, "
             f"back {_rate(profile.read_bytes_per_s)}"
         )
+        if self.room:
+            lines.append(f"this step's budget: {self.room}")
         measured_step = "-" if self.measured_step_s is None else f"{self.measured_step_s:.4g} s"
         measured_peak = "-" if self.measured_peak_bytes is None else _size(self.measured_peak_bytes)
         if self.measured_before and self.measured_step_s is not None:

@@ -27,11 +27,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Literal
 
-from tierstore.config import TierConfig
+from tierstore.config import AUTO, TierConfig
 from tierstore.planning.checker import FIRST_PLAN_WAIT, PlanChecker
 from tierstore.planning.limits import StepLimits
 from tierstore.planning.planner import Choice, Plan
 from tierstore.planning.recorder import ProfileRecorder, RebuildTime, _Row, _Step
+from tierstore.planning.room import GROW, Room
 from tierstore.planning.timers import BusyTimer, Timer
 from tierstore.tiers.movers import LinkClock
 
@@ -176,7 +177,18 @@ class PlanRunner(StepLimits):
         # tierstore/tiers/host_pool.py).
         self._cpu_step_began = cpu_step_began
         self.background = background  # NOTE [ Planning off the training thread ] in checker.py
-        self.budget = config.activation_budget
+        #: The budget as the user asked for it, for messages: bytes, a fraction or "auto".
+        self.asked: int | float | str = config.activation_budget
+        #: Under "auto", the room each step has (NOTE [ The room a step has ] in
+        #: planning/room.py); ``None`` under a budget of bytes or a fraction.
+        self.room: Room | None = Room(config) if self.asked == AUTO else None
+        # The budget of the step under way, in bytes or a fraction: "auto" resolves to
+        # bytes at each step's start (_follow_room); 0 until the first.
+        asked = config.activation_budget
+        self.budget: int | float = asked if not isinstance(asked, str) else 0
+        # fall_back(): the steps run the safe placement until a remade plan is adopted.
+        self._falling_back = False
+        self._said: str | None = None  # a plan remade at once as a step began: its INFO line
         self._config = config
         self.plan: Plan | None = None
         self._expected: tuple[int, ...] = ()  # each save's bytes in the plan's profile
@@ -257,12 +269,70 @@ class PlanRunner(StepLimits):
             return False
         return self.plan is None or self._unseen is not None
 
+    def fall_back(self) -> None:
+        """From the next step on, steps run the safe placement until a remade plan is adopted.
+
+        The steps are ``waiting``, as before a first plan; :meth:`_adopt` ends it.
+
+        Example:
+            >>> from tierstore import TierConfig
+            >>> from tierstore.planning.runner import PlanRunner
+            >>> from tierstore.tiers.movers import LinkClock
+            >>> runner = PlanRunner(TierConfig(activation_budget="1MiB"), LinkClock(),
+            ...                     LinkClock(), lambda: 0.0)
+            >>> runner.fall_back(); runner.planned
+            False
+        """
+        self._falling_back = True
+
+    def _follow_room(self, room: Room) -> None:
+        """Under "auto": this step's budget, and the plan following it.
+
+        NOTE [ The room a step has ] in planning/room.py.
+
+        Where the room fell below what the plan in use needs, the step runs the
+        safe placement within the new budget while the plan is remade; where it
+        grew by GROW, the plan is remade lazily and runs meanwhile.
+        """
+        budget = room.step_began()
+        self.budget = budget.budget_bytes
+        self.warnings.extend(room.warnings)
+        room.warnings.clear()
+        plan = self.plan
+        if plan is None:
+            return
+        plan.room = str(budget)
+        checker = self._checker
+        if self._profile_next() or checker.making() or checker.remade is not None:
+            return  # no plan runs this step, or one is on its way already
+        over = budget.now_bytes + budget.margin // 2 < plan.predicted_peak_bytes
+        if over and budget.budget_bytes < plan.budget_bytes:
+            self._forget_plans_over(budget.budget_bytes)
+            self.fall_back()
+            self._said = checker.remake(plan.profile, budget.budget_bytes)
+            if not checker.making() and checker.remade is None:
+                self._falling_back = False  # made at once: the step runs on it
+        elif budget.budget_bytes >= GROW * plan.budget_bytes and not plan.keeps_everything:
+            self._said = checker.remake(plan.profile, budget.budget_bytes)
+
+    def _forget_plans_over(self, budget: int) -> None:
+        """Drop the kept plans of other shapes whose peak no longer fits ``budget``.
+
+        A step of their shape is profiled again, on the safe placement.
+        """
+        for expected, plan in list(self._plans.items()):
+            if plan is not self.plan and plan.predicted_peak_bytes > budget:
+                del self._plans[expected]
+                self._checker.forget(expected)
+
     def _begin(self) -> _Step:
+        if self.room is not None:
+            self._follow_room(self.room)
         profiling = self._profile_next()
         if profiling and not self._warmed and self._may_search():
             self._checker.warm()  # NOTE [ The first plan ] in planning/checker.py
         step = _Step(time.perf_counter(), profiling, waits_at_start=self.waits())
-        step.waiting = not profiling and self.plan is None
+        step.waiting = not profiling and (self.plan is None or self._falling_back)
         self._recorder.begin(step)
         self._step = step
         plan = self.plan
@@ -497,6 +567,8 @@ class PlanRunner(StepLimits):
         step = self._step
         if step is None:
             return None
+        if self.room is not None and step.backward_at is None:
+            self.room.backward_began()  # NOTE [ The room a step has ]
         if not step.profiling:
             step.kept_used += planned
             if step.backward_at is None:
@@ -513,7 +585,15 @@ class PlanRunner(StepLimits):
         if task == step.task:
             return None
         step.task = task
+        if self.room is not None:
+            return functools.partial(self._backward_ended, step)
         return functools.partial(_backward_ended, step)
+
+    def _backward_ended(self, step: _Step) -> None:
+        """Under "auto": a backward of ``step`` ended; its usage sampled."""
+        _backward_ended(step)
+        if self.room is not None and step is self._step:
+            self.room.backward_ended()  # NOTE [ The room a step has ]
 
     def profile_timer(self) -> Timer:
         """The profiled step's timer, beginning the step: its forward begins with the block."""
@@ -535,7 +615,7 @@ class PlanRunner(StepLimits):
         in tiers/manager.py).
         """
         step = self._step
-        if step is None or step.profiling:
+        if step is None or step.profiling or step.waiting:  # waiting: no plan followed
             return 0, 0
         upto = step.deviated_at if step.deviated_at is not None else step.index
         return self._kept_before[min(upto, len(self._kept_before) - 1)]
@@ -548,6 +628,8 @@ class PlanRunner(StepLimits):
     def step_ended(self, peak_bytes: int) -> str | None:
         """The step under way ended; returns the INFO line of a plan made or remade."""
         step, self._step = self._step, None
+        if self.room is not None and step is not None:
+            self.room.step_ended(peak_bytes)  # NOTE [ The room a step has ] in planning/room.py
         if step is None or step.waiting:  # waiting: on the safe placement, for the first plan
             return self._adopt()
         total = time.perf_counter() - step.started
@@ -596,14 +678,20 @@ class PlanRunner(StepLimits):
         NOTE [ Planning off the training thread ] in planning/checker.py.
         """
         self._checker.close()
+        if self.room is not None:
+            self.room.close()
 
     def _adopt(self) -> str | None:
         """Switch to a plan remade off the training thread, if one is ready: its INFO line."""
         checker = self._checker
         remade, checker.remade = checker.remade, None
+        said, self._said = self._said, None  # a plan remade at once as the step began
         if remade is None:
-            return None
+            return said
         expected, plan, line = remade
+        self._falling_back = False  # NOTE [ The room a step has ] in planning/room.py
+        if self.room is not None and self.room.last is not None:
+            plan.room = str(self.room.last)
         if expected == self._expected or expected not in self._plans:
             self._use(expected, plan)  # a new shape's first plan, too
         else:
