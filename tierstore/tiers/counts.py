@@ -152,6 +152,20 @@ class SaveCounts:
             self._room = room if 0 < self._step_bytes <= room else -1
             self._step_bytes = self._stayed_n = self._stayed = 0
 
+    def step_failed(self) -> None:
+        """The step under way raised: its saves counted, and none of the next stays without an entry.
+
+        NOTE [ A step that raised ] in tierstore/tier_store.py: the next step
+        takes the full path, as one after a step that did not fit does.
+        """
+        with self.lock:
+            if self.limits is None:
+                n, nbytes = self.stayed_now()
+                self.add_kept("device_budget", n, nbytes)
+                self._device.budget = self._device_budget
+            self._room = -1
+            self._step_bytes = self._stayed_n = self._stayed = 0
+
     def count_recomputed(self, nbytes: int, n: int = 1) -> None:
         """Count ``n`` saved tensors, ``nbytes`` in all, the caller will rebuild in backward."""
         with self.lock:
