@@ -165,7 +165,7 @@ def test_out_of_memory_and_retry_leaves_nothing_behind_and_the_retry_completes(
     assert files  # the store's own directory, with its lock
     planned = store.plan()
     assert (planned is not None) == (kind == "planned")
-    fault.armed = when.split()[0]
+    fault.armed = when.split(maxsplit=1)[0]
     with pytest.raises(torch.OutOfMemoryError):  # as a retrying loop catches it
         _step(store, model, failing, inside)
     model.zero_grad(set_to_none=True)
@@ -262,9 +262,9 @@ def test_an_error_not_of_memory_drops_the_step_and_counts_nothing(spill_root: Pa
 
 
 def test_which_errors_are_out_of_memory() -> None:
-    assert out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")) == (
-        3 << 29
-    )
+    assert out_of_memory(
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
+    ) == (3 << 29)
     assert out_of_memory(RuntimeError(CPU_OOM)) == 1 << 20
     assert out_of_memory(MemoryError()) == 0
     assert out_of_memory(RuntimeError("CUDA error: out of memory")) == 0

@@ -19,13 +19,13 @@ import re
 
 __all__ = [
     "DISK_HINT",
-    "out_of_memory",
     "ConfigError",
     "CorruptDataError",
     "StoreClosedError",
     "TierFullError",
     "TierstoreError",
     "TierstoreWarning",
+    "out_of_memory",
     "quoted",
 ]
 
@@ -83,11 +83,11 @@ def out_of_memory(error: BaseException) -> int | None:
     while error.__cause__ is not None:
         error = error.__cause__
     text = str(error)
-    if not isinstance(error, MemoryError) and not (
+    named = type(error).__name__ == "OutOfMemoryError" or isinstance(error, MemoryError)
+    if not named and not (
         isinstance(error, RuntimeError) and any(t in text.lower() for t in _OOM_TEXTS)
     ):
-        if type(error).__name__ != "OutOfMemoryError":
-            return None
+        return None
     asked = _ASKED.search(text)
     if asked is None:
         return 0

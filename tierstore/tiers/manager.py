@@ -372,6 +372,8 @@ class TierManager:
                 n, nbytes = runner.kept()  # the step's plan-kept saves, counted for good
                 counts.add_kept("device_budget", n, nbytes)
             line = runner.step_ended(peak)
+            with counts.lock:  # NOTE [ Where kept saves count ] in tiers/counts.py
+                counts.device_step_ended()
             self._flight.plan_step_ended(runner.window_bytes())
             said, runner.warnings = runner.warnings, []
             return line, said
@@ -397,6 +399,8 @@ class TierManager:
             if runner is None:
                 return None, []
             line = runner.step_failed(excess)
+            with counts.lock:  # NOTE [ Where kept saves count ] in tiers/counts.py
+                counts.device_step_ended()
             self._flight.plan_step_ended(runner.window_bytes())
             said, runner.warnings = runner.warnings, []
             return line, said
