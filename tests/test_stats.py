@@ -55,8 +55,8 @@ def test_totals_and_waits_say_since_when() -> None:
     for tier in ("device", "host", "disk"):
         assert "since the store opened: " in _lines(_stats())[tier]
     assert (
-        "since the store opened: packed 10, deduplicated 0, kept 2 (64 B; 0 of them parameters, 0 B)"
-        in text
+        "since the store opened: packed 10, deduplicated 0, "
+        "kept 2 (64 B; 0 of them parameters, 0 B)" in text
     )
     assert (
         "since the store opened: prefetch 9 hits, 1 misses (90%); backward waited 0.250 s "
