@@ -54,7 +54,10 @@ def test_totals_and_waits_say_since_when() -> None:
     text = str(_stats())
     for tier in ("device", "host", "disk"):
         assert "since the store opened: " in _lines(_stats())[tier]
-    assert "since the store opened: packed 10, deduplicated 0, kept 2 (64 B)" in text
+    assert (
+        "since the store opened: packed 10, deduplicated 0, "
+        "kept 2 (64 B; 0 of them parameters, 0 B)" in text
+    )
     assert (
         "since the store opened: prefetch 9 hits, 1 misses (90%); backward waited 0.250 s "
         "for reads, forward 0.500 s for the write queue"
@@ -152,3 +155,55 @@ def test_stats_after_close_are_the_final_figures(spill_root: Path) -> None:
     assert after.host_pool_bytes == after.buffer_bytes_in_use == 0
     assert "disk" in str(after)
     del y
+
+
+# -- where kept saves count (issue 53, item 5) ------------------------------------
+
+
+def _mlp_step(store: tierstore.TierStore, model: torch.nn.Module) -> None:
+    with store.offload():
+        loss = model(torch.randn(512, 256)).square().mean()
+    loss.backward()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"device_budget": "1GiB"}, {"activation_budget": 1.0}, {"device_budget": 0}],
+    ids=["device_budget", "a plan that keeps all", "everything moves"],
+)
+def test_saves_kept_in_ram_count_in_the_device_peak_and_parameters_do_not(
+    spill_root: Path, settings: dict[str, object]
+) -> None:
+    # NOTE [ Where kept saves count ] in tierstore/tiers/counts.py.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256)
+    )
+    store = tierstore.TierStore(
+        tierstore.TierConfig(disk_path=spill_root, min_offload_bytes=0, **settings)  # type: ignore[arg-type]
+    )
+    peaks = []
+    for _ in range(4):
+        before = store.stats()
+        _mlp_step(store, model)
+        now = store.stats()  # after backward, before the next step begins
+        activations = (now.kept_bytes - now.parameter_bytes) - (
+            before.kept_bytes - before.parameter_bytes
+        )
+        peaks.append(now.tiers["device"].peak_bytes)
+        # The step's activations kept in RAM are in the device's peak: never
+        # a peak of 0 B beside kept bytes.
+        assert now.tiers["device"].peak_bytes >= activations
+    stats = store.stats()
+    # Each step saves the two Linears' inputs, GELU's and square's (512 x 256
+    # floats, 512 KiB each) and the second Linear's weight.t(): a parameter's view.
+    assert (stats.parameters, stats.parameter_bytes) == (4, 4 * 256 * 256 * 4)
+    if "activation_budget" in settings or settings.get("device_budget") == "1GiB":
+        assert stats.kept_bytes - stats.parameter_bytes > 0
+        # All of a step's activations, and not the weight it saved.
+        assert max(peaks) == 4 * 512 * 256 * 4
+    else:
+        assert stats.kept == stats.parameters  # only the weight stayed
+        assert max(peaks) == 0  # and the device held nothing else
+    assert stats.tiers["device"].bytes == 0
+    store.close()

@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "DISK_HINT",
     "ConfigError",
@@ -23,6 +25,7 @@ __all__ = [
     "TierFullError",
     "TierstoreError",
     "TierstoreWarning",
+    "out_of_memory",
     "quoted",
 ]
 
@@ -41,6 +44,54 @@ def quoted(exc: BaseException) -> str:
         'writing entry 3 failed: EIO'
     """
     return str(exc).removeprefix("tierstore: ").removesuffix(f"; {DISK_HINT}")
+
+
+# NOTE [ Out of memory ]
+# An allocation that fails raises torch.OutOfMemoryError on CUDA (and MPS),
+# MemoryError from Python's own allocator, and on a CPU a RuntimeError from
+# the default allocator ("DefaultCPUAllocator: can't allocate memory", the
+# form RLIMIT_AS gives). Each can be caught, and a training loop that catches
+# one and retries the step smaller is a common pattern. The messages of the
+# first and the last say how much the failed allocation asked for: that is
+# the least the step was short of, and what the store counts against the
+# plan that ran it (NOTE [ A step that raised ] in tierstore/tier_store.py).
+# A cgroup's limit is not one of these: the kernel kills the process
+# (SIGKILL), which nothing in it can catch.
+_OOM_TEXTS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+_ASKED = re.compile(r"tried to allocate ([0-9.]+) ?(bytes|B|KiB|MiB|GiB|TiB)\b", re.IGNORECASE)
+_UNITS = {"bytes": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def out_of_memory(error: BaseException) -> int | None:
+    """Whether ``error`` is an allocation that failed: the bytes it asked for, else ``None``.
+
+    0 where the message does not say (NOTE [ Out of memory ]). An error that
+    carries another as its ``__cause__`` (a read on the I/O thread that
+    failed, re-raised at the unpack) is judged by that one.
+
+    Example:
+        >>> import torch
+        >>> from tierstore.errors import out_of_memory
+        >>> out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"))
+        2097152
+        >>> out_of_memory(RuntimeError(
+        ...     "DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes"))
+        4096
+        >>> out_of_memory(MemoryError()), out_of_memory(ValueError("bad shape"))
+        (0, None)
+    """
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error)
+    named = type(error).__name__ == "OutOfMemoryError" or isinstance(error, MemoryError)
+    if not named and not (
+        isinstance(error, RuntimeError) and any(t in text.lower() for t in _OOM_TEXTS)
+    ):
+        return None
+    asked = _ASKED.search(text)
+    if asked is None:
+        return 0
+    return int(float(asked.group(1)) * _UNITS[asked.group(2).lower()])
 
 
 class TierstoreError(RuntimeError):

@@ -202,8 +202,8 @@ class _OffloadModule:
         block = stack.pop() if stack else None
         if block is not None:
             # Inside the except clause of Module.__call__ when forward raised.
-            ok = sys.exc_info()[1] is None
-            self.store._close_block(block, ok, self._where)
+            error = sys.exc_info()[1]
+            self.store._close_block(block, error is None, self._where, error)
 
     def remove(self) -> None:
         """Take the hooks off the module and close the store if ``offload_module`` made it.

@@ -69,6 +69,13 @@ class Stats:
         kept: saves left on the device as they were (parameters, small
             tensors, ``tierstore.keep()``, ...).
         kept_bytes: bytes of those kept saves.
+        parameters: of the kept saves, those that were parameters or buffers
+            (or views of them, as ``nn.Linear`` saves ``weight.t()``): the
+            model holds them anyway, so they count in no tier.
+        parameter_bytes: bytes of those. The rest of ``kept_bytes`` are
+            activations kept where they were made: they count in the device
+            tier's peak (on a CPU, in RAM; NOTE [ Where kept saves count ] in
+            ``tierstore/tiers/counts.py``).
         prefetch_hits: entries whose bytes were there when backward asked:
             read ahead from disk and landed (or still in memory, their write
             not yet done), and on CUDA, host entries whose copy back to the
@@ -139,6 +146,8 @@ class Stats:
     deduplicated: int
     kept: int
     kept_bytes: int
+    parameters: int = 0
+    parameter_bytes: int = 0
     prefetch_hits: int = 0
     prefetch_misses: int = 0
     bytes_prefetched: int = 0
@@ -179,7 +188,8 @@ class Stats:
         ]
         rows.append(
             f"since the store opened: packed {self.packed}, deduplicated {self.deduplicated}, "
-            f"kept {self.kept} ({human_bytes(self.kept_bytes)})"
+            f"kept {self.kept} ({human_bytes(self.kept_bytes)}; "
+            f"{self.parameters} of them parameters, {human_bytes(self.parameter_bytes)})"
             + (
                 f", recomputed {self.recomputed} ({human_bytes(self.recomputed_bytes)})"
                 if self.recomputed
@@ -369,18 +379,22 @@ def step_summary(step: int, now: Stats, before: Stats | None) -> str:
 
     ``before`` is the snapshot at the end of the previous step (``None``: the
     first step); moved bytes, hits and waits are this step's, peaks are the
-    store's.
+    store's. The saves it kept on the device are activations, which the
+    device's peak counts; the parameters it saved, which the model holds
+    anyway, are counted apart (NOTE [ Where kept saves count ] in
+    ``tierstore/tiers/counts.py``).
 
     Example:
         >>> tier = TierStats(bytes=0, peak_bytes=4096, entries=0, bytes_written=4096,
         ...                  bytes_read=4096)
         >>> empty = TierStats(0, 0, 0, 0, 0)
         >>> now = Stats(tiers={"device": empty, "host": empty, "disk": tier}, packed=3,
-        ...             deduplicated=0, kept=2, kept_bytes=64, prefetch_hits=1)
+        ...             deduplicated=0, kept=2, kept_bytes=64, parameters=2, parameter_bytes=64,
+        ...             prefetch_hits=1)
         >>> print(step_summary(1, now, None))
-        tierstore: step 1: saved 3 (2 kept on the device, 64 B); peak device 0 B, host 0 B, \
-disk 4.0 KiB; moved to host 0 B, to disk 4.0 KiB, back 4.0 KiB; prefetch 1 hits, 0 misses \
-(100%); waited 0.000 s in backward, 0.000 s in forward
+        tierstore: step 1: saved 3 (0 kept on the device, 0 B; 2 parameters); peak device 0 B, \
+host 0 B, disk 4.0 KiB; moved to host 0 B, to disk 4.0 KiB, back 4.0 KiB; prefetch 1 hits, \
+0 misses (100%); waited 0.000 s in backward, 0.000 s in forward
     """
     zero = Stats(tiers={}, packed=0, deduplicated=0, kept=0, kept_bytes=0)
     b = before or zero
@@ -394,9 +408,13 @@ disk 4.0 KiB; moved to host 0 B, to disk 4.0 KiB, back 4.0 KiB; prefetch 1 hits,
     rate = f" ({hits / (hits + misses):.0%})" if hits + misses else ""
     back = sum(moved(t, "bytes_read") for t in ("host", "disk"))
     peaks = ", ".join(f"{t} {human_bytes(now.tiers[t].peak_bytes)}" for t in TIERS)
+    kept = now.kept - now.parameters - b.kept + b.parameters
+    kept_bytes = now.kept_bytes - now.parameter_bytes - b.kept_bytes + b.parameter_bytes
+    parameters = now.parameters - b.parameters
     return (
         f"tierstore: step {step}: saved {now.packed - b.packed} "
-        f"({now.kept - b.kept} kept on the device, {human_bytes(now.kept_bytes - b.kept_bytes)}); "
+        f"({kept} kept on the device, {human_bytes(kept_bytes)}; "
+        f"{parameters} {'parameter' if parameters == 1 else 'parameters'}); "
         f"peak {peaks}; moved to host {human_bytes(moved('host', 'bytes_written'))}, "
         f"to disk {human_bytes(moved('disk', 'bytes_written'))}, back {human_bytes(back)}; "
         f"prefetch {hits} hits, {misses} misses{rate}; "

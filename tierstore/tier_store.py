@@ -57,7 +57,7 @@ from tierstore.autograd.recorder import Recorder
 from tierstore.autograd.regions import MAX_PLANNED_DEPTH, Regions
 from tierstore.autograd.state import local
 from tierstore.config import TierConfig, load_config, with_overrides
-from tierstore.errors import ConfigError, TierstoreWarning
+from tierstore.errors import ConfigError, TierstoreWarning, out_of_memory
 from tierstore.planning.planner import Plan
 from tierstore.planning.runner import PlanRunner
 from tierstore.stats import Stats, step_summary
@@ -80,6 +80,31 @@ PLAN_TIMEOUT_S = 60.0
 # is the tierstore logger asked whether INFO is on, so a disabled logger costs
 # one integer comparison per block. Moved bytes, hits and waits in a line are
 # those since the previous line; peaks are the store's.
+
+
+# NOTE [ A step that raised ]
+# A step that raises (out of memory, say, NOTE [ Out of memory ] in
+# tierstore/errors.py) inside a block of the store, or in the backward after
+# it, ends there: the store drops it and the next block begins a new step,
+# so a loop that catches the error, drops what the step held and runs it
+# again (smaller, as accelerate's find_executable_batch_size does) begins
+# clean. A block sees the error that leaves it. A backward that raises is
+# seen at the next block: its final callback (NOTE [ Like with like ] in
+# planning/runner.py) never ran; its error is known only where it came out
+# of the store's own unpack (a read, a rebuild). The dropped step is no
+# profile and no measurement (its times stop part way) and no recording of
+# the unpack order; its saves count in stats() as any others, and their
+# entries go as autograd drops the graph, as any graph's do: once the caller
+# lets go of the error, whose frames hold the forward's tensors. A step out
+# of memory was short of at least what the failed allocation asked, and at
+# least one save: under activation_budget a planned step's plan is remade
+# for a budget that much lower, the safe placement running the steps until
+# it is ready, and the safe placement keeps that much less on the device
+# from then on. A later step of another size (the smaller
+# retry) follows its own profile. What the store cannot see it cannot count:
+# an error raised between the store's blocks (a loss computed outside
+# offload()) leaves the step under way, and a kill by a cgroup's limit or
+# the kernel's OOM killer is a SIGKILL, which no process survives.
 
 
 def _checked(config: object, where: str) -> TierConfig | None:
@@ -201,12 +226,15 @@ class TierStore:
             >>> y.sum().backward(); store.close()
         """
         block = self._open_block(recompute)
-        ok = False
+        error: BaseException | None = None
         try:
             yield self
-            ok = True
+        except BaseException as raised:  # NOTE [ A step that raised ]
+            error = raised
+            raise
         finally:
-            self._close_block(block, ok, "this offload() block")
+            self._close_block(block, error is None, "this offload() block", error)
+            error = None  # its frames hold the step's tensors
 
     def _open_block(self, recompute: RecomputeSetting | None = None) -> Block:
         """Push the hooks; :meth:`_close_block` pops them (LIFO, as any hooks)."""
@@ -273,8 +301,13 @@ class TierStore:
         local.recompute = policy is not None
         return block
 
-    def _close_block(self, block: Block, ok: bool, where: str) -> None:
-        """Pop the hooks; warn if nothing left the device (NOTE [ Is it working? ])."""
+    def _close_block(
+        self, block: Block, ok: bool, where: str, error: BaseException | None = None
+    ) -> None:
+        """Pop the hooks; warn if nothing left the device (NOTE [ Is it working? ]).
+
+        ``error``: what leaves the block, which ends the step (NOTE [ A step that raised ]).
+        """
         try:
             quiet = local.quiet
             if block.quiet is not None and quiet is not None:  # NOTE [ Quiet blocks ]
@@ -305,6 +338,8 @@ class TierStore:
         keeps, local.keeps = local.keeps, block.outer_keeps or local.keeps
         alone = block.alone == self._opened  # none opened since, none open before
         self._next_quiet = self._repeatable(block, ok and alone and not keeps)
+        if error is not None and self._step_blocks:  # an outer block: dropped already
+            self._step_failed(out_of_memory(error))
         before = block.before
         if not ok or before is None or self._warned or self._manager.closed:
             return
@@ -394,12 +429,16 @@ class TierStore:
 
     def _step_ended(self) -> None:
         """NOTE [ Step log ]; with activation_budget, the plan's turn (NOTE [ Planned saves ])."""
+        if self._runner is not None and self._runner.backward_raised():
+            self._step_failed(self._hooks.short_of)  # NOTE [ A step that raised ]
+            return
         # NOTE [ Quiet blocks ]: only a step of one block is repeated, and
         # one in every MEASURED_EVERY is measured all the same.
         repeat = self._step_blocks == 1 and self._quiet_steps < MEASURED_EVERY - 1
         self._quiet = self._next_quiet if repeat else None
         self._next_quiet, self._step_blocks = None, 0
         self._step_unpacks = self._hooks.unpacks
+        self._hooks.short_of = None  # raised in a backward that was run again, and ended
         self._steps += 1
         self._manager.step_ended()
         if self._runner is not None and not self._manager.closed:
@@ -413,6 +452,23 @@ class TierStore:
         now = self._manager.stats()
         log.info("%s", step_summary(self._steps, now, self._logged))
         self._logged = now
+
+    def _step_failed(self, excess: int | None) -> None:
+        """The step under way raised: dropped (NOTE [ A step that raised ]).
+
+        ``excess``: what an out-of-memory error asked for; ``None``: another error.
+        """
+        self._quiet = self._next_quiet = None
+        self._step_blocks = 0
+        self._step_unpacks = self._hooks.unpacks
+        self._hooks.short_of = None
+        if self._manager.closed:
+            return
+        line, said = self._manager.step_failed(excess)
+        if line is not None:
+            log.info("%s", line)
+        for message in said:
+            warnings.warn(TierstoreWarning(message), stacklevel=user_stacklevel())
 
     def plan(self, timeout: float = PLAN_TIMEOUT_S) -> Plan | None:
         """The plan ``activation_budget`` runs on; ``None`` before a profile ended.

@@ -1038,7 +1038,7 @@ def test_step_summary_on_the_tierstore_logger(
     assert len(lines) == 3
     for step, line in enumerate(lines, 1):
         assert re.fullmatch(
-            rf"tierstore: step {step}: saved 1 \(0 kept on the device, 0 B\); "
+            rf"tierstore: step {step}: saved 1 \(0 kept on the device, 0 B; 0 parameters\); "
             r"peak device 0 B, host 0 B, disk \S+ \S+; moved to host 0 B, to disk \S+ \S+, "
             r"back \S+ \S+; prefetch \d+ hits, \d+ misses \(\d+%\); "
             r"waited \d+\.\d{3} s in backward, \d+\.\d{3} s in forward",

@@ -47,7 +47,7 @@ from tierstore.autograd.recompute import never_traced
 from tierstore.autograd.recorder import Recorder
 from tierstore.autograd.regions import BeginKept, BeginReplay, KeptUsed
 from tierstore.autograd.state import ENGINE, graph_task, local, unrecorded
-from tierstore.errors import modified_in_place
+from tierstore.errors import modified_in_place, out_of_memory
 from tierstore.planning.planner import Choice, Plan
 from tierstore.planning.runner import PlanRunner
 from tierstore.stats import Placement, Tier
@@ -132,6 +132,10 @@ class SaveHooks:
         self._min_bytes = min_bytes
         #: Unpack calls so far: a backward ran since a count was read (NOTE [ Step log ]).
         self.unpacks = 0
+        #: What an out-of-memory error raised in a fetch asked for, till the step ends
+        #: (NOTE [ A step that raised ] in tierstore/tier_store.py); the error itself
+        #: is not kept: its frames hold the graph.
+        self.short_of: int | None = None
 
     def regions_hooks(self) -> tuple[BeginReplay, BeginKept, KeptUsed]:
         """What a plan's regions tell this store (NOTE [ Modules kept whole ])."""
@@ -342,9 +346,16 @@ class SaveHooks:
         ):
             self.backward_began(ended)
         cuda = type(packed) is Handle and packed.device.type == "cuda"
-        if cuda and runner is not None and runner.profiling:  # NOTE [ Pricing a moved save first ]
-            return _moving(runner, False, self.fetch, packed)
-        return self.fetch(packed)
+        try:
+            if cuda and runner is not None and runner.profiling:
+                # NOTE [ Pricing a moved save first ] in planning/recorder.py
+                return _moving(runner, False, self.fetch, packed)
+            return self.fetch(packed)
+        except BaseException as error:  # NOTE [ A step that raised ] in tierstore/tier_store.py
+            asked = out_of_memory(error)
+            if asked is not None:
+                self.short_of = max(self.short_of or 0, asked)
+            raise
 
     def fetch(self, packed: Handle | Recipe) -> torch.Tensor:
         """The tensor a stored or rebuilt save stands for (a kept one is unpack's short way)."""

@@ -299,10 +299,13 @@ class PlanChecker:
         (``None``: the line comes when the plan is adopted). ``expected``:
         the sizes of the profile's saves, where not the plan's under way.
         """
-        if budget is None:
-            budget = budget_bytes(self._runner.budget, profile.saved_bytes)
         if expected is None:
             expected = self._runner._expected
+        if budget is None:
+            budget = budget_bytes(self._runner.budget, profile.saved_bytes)
+            # Less what a step of the shape was short of (NOTE [ A step that raised ]
+            # in tierstore/tier_store.py).
+            budget = max(budget - self._runner.short_of.get(expected, 0), 0)
         elsewhere = (
             self._runner.wait_for_plans and self._runner.background
         )  # the process, waited for

@@ -47,6 +47,7 @@ class StepLimits:
     _config: TierConfig
     _plans: OrderedDict[tuple[int, ...], Plan]
     _step: _Step | None
+    excess_bytes: int
 
     if TYPE_CHECKING:
 
@@ -63,7 +64,9 @@ class StepLimits:
         if isinstance(self.budget, float):
             return 0
         in_flight = int(self._config.prefetch_bytes) + int(self._config.write_queue_bytes)
-        return max(0, int(self.budget) - in_flight)
+        # Less what steps short of memory were short of (NOTE [ A step that raised ]
+        # in tierstore/tier_store.py).
+        return max(0, int(self.budget) - in_flight - self.excess_bytes)
 
     def in_flight_bytes(self, adding: int = 0) -> int | None:
         """What the step under way may hold in flight each way, or ``None``: the limits' own.

@@ -202,6 +202,12 @@ class PlanRunner(StepLimits):
         self._unseen: Literal["first", "any"] | None = None
         self._step: _Step | None = None
         self._warmed = False  # the store's first step warms up; the next is the profile
+        # What steps short of memory were short of: the safe placement keeps it
+        # off the device (NOTE [ A step that raised ] in tierstore/tier_store.py).
+        self.excess_bytes = 0
+        # And per shape: its plans are made for that much less (PlanChecker.make).
+        self.short_of: dict[tuple[int, ...], int] = {}
+        self._short_since: set[tuple[int, ...]] = set()  # of plans being made meanwhile
         self.warnings: list[str] = []  # for the caller to issue, each once
         self._recorder = ProfileRecorder(
             config,
@@ -308,10 +314,7 @@ class PlanRunner(StepLimits):
         over = budget.now_bytes + budget.margin // 2 < plan.predicted_peak_bytes
         if over and budget.budget_bytes < plan.budget_bytes:
             self._forget_plans_over(budget.budget_bytes)
-            self.fall_back()
-            self._said = checker.remake(plan.profile, budget.budget_bytes)
-            if not checker.making() and checker.remade is None:
-                self._falling_back = False  # made at once: the step runs on it
+            self._said = self._remake_meanwhile_safe(plan, budget.budget_bytes)
         elif budget.budget_bytes >= GROW * plan.budget_bytes and not plan.keeps_everything:
             self._said = checker.remake(plan.profile, budget.budget_bytes)
 
@@ -434,7 +437,9 @@ class PlanRunner(StepLimits):
         self._plans[expected] = plan
         self._plans.move_to_end(expected)
         while len(self._plans) > PLANS_KEPT:
-            self._checker.forget(self._plans.popitem(last=False)[0])
+            forgotten = self._plans.popitem(last=False)[0]
+            self.short_of.pop(forgotten, None)
+            self._checker.forget(forgotten)
 
     def passes(self, plan: Plan, first: int, end: int) -> Literal["no", "past", "again"]:
         """Whether the step goes past a module whose saves are ``plan``'s ``[first, end)``.
@@ -585,6 +590,8 @@ class PlanRunner(StepLimits):
         if task == step.task:
             return None
         step.task = task
+        if task != -1:  # a backward under way, not ended (NOTE [ A step that raised ])
+            step.ended = None
         if self.room is not None:
             return functools.partial(self._backward_ended, step)
         return functools.partial(_backward_ended, step)
@@ -658,6 +665,55 @@ class PlanRunner(StepLimits):
             return self._adopt()
         return self._checker.ended(total, peak_bytes) or self._adopt()
 
+    def backward_raised(self) -> bool:
+        """Whether the step under way began a backward that did not end: one that raised.
+
+        Autograd's engine runs the callback :meth:`used` hands out only as a
+        backward ends, not when it raises (NOTE [ A step that raised ] in
+        tierstore/tier_store.py).
+        """
+        step = self._step
+        return step is not None and step.task >= 0 and step.ended is None
+
+    def step_failed(self, excess: int | None) -> str | None:
+        """The step under way raised: dropped (NOTE [ A step that raised ] in tier_store.py).
+
+        ``excess``: the bytes an out-of-memory error showed the step short of,
+        0 where it did not say; ``None``: another error. Returns the INFO line
+        of a plan made or remade.
+        """
+        step, self._step = self._step, None
+        if step is None or excess is None:
+            return self._adopt()
+        plan = self.plan
+        planned = not (step.profiling or step.waiting or step.deviated_at is not None)
+        largest = step.largest
+        if planned and plan is not None:
+            largest = max((save.nbytes for save in plan.profile.saves), default=0)
+        excess = max(excess, largest)  # one save fewer on the device at least
+        self.excess_bytes += excess
+        if not planned or plan is None:
+            return self._adopt()
+        expected = self._expected
+        self.short_of[expected] = self.short_of.get(expected, 0) + excess
+        if self._checker.making():  # one at a time: made again once that one is ready
+            self.fall_back()
+            self._short_since.add(expected)
+            return None
+        return self._remake_meanwhile_safe(plan) or self._adopt()
+
+    def _remake_meanwhile_safe(self, plan: Plan, budget: int | None = None) -> str | None:
+        """Remake ``plan``, the steps on the safe placement until it is in use: its INFO line.
+
+        A plan made at once (no search) is in use already: no step falls back.
+        """
+        self.fall_back()
+        checker = self._checker
+        line = checker.remake(plan.profile, budget)
+        if not checker.making() and checker.remade is None:
+            self._falling_back = False  # made at once: the next step runs on it
+        return line
+
     def _profiled(self, step: _Step, total: float) -> str | None:
         """A profiled step ended: its profile's plan (NOTE [ Planned steps ]); its INFO line."""
         profile = self._recorder.profile(step, total)
@@ -689,6 +745,9 @@ class PlanRunner(StepLimits):
         if remade is None:
             return said
         expected, plan, line = remade
+        if expected in self._short_since:  # made for more than there is: again
+            self._short_since.discard(expected)
+            return checker.make(plan.profile, "remade", expected=expected)
         self._falling_back = False  # NOTE [ The room a step has ] in planning/room.py
         if self.room is not None and self.room.last is not None:
             plan.room = str(self.room.last)
@@ -696,4 +755,8 @@ class PlanRunner(StepLimits):
             self._use(expected, plan)  # a new shape's first plan, too
         else:
             self._plans[expected] = plan
+        if self._short_since:  # a shape that ran short waits for its plan: made now
+            again = self._short_since.pop()
+            if again in self._plans:
+                return checker.make(self._plans[again].profile, "remade", expected=again) or line
         return line

@@ -28,6 +28,19 @@ from tierstore.tiers.limits import Limits
 
 __all__ = ["QUIET_ROOM", "SaveCounts"]
 
+# NOTE [ Where kept saves count ]
+# A save kept as it is stays in the memory of the device that made it: on a
+# CPU, in RAM. It has no entry, so the device tier's own table never sees it,
+# and a device peak of entries alone would read 0 B beside the bytes a step
+# kept. So the device tier's peak counts them: each step's kept saves
+# together with the most its entries held in that step (an upper bound:
+# autograd frees a kept save at its use, an entry as its node runs), taken as
+# the step ends, and for the step under way as stats() is read. A parameter
+# (or a buffer, or a view of one) is no activation: the model holds it
+# whether or not anything saves it, so it counts in neither; stats() gives
+# its count and bytes apart. Counted per step from the totals the hooks keep
+# anyway, so a save that stays pays nothing more.
+
 #: NOTE [ Quiet blocks ] in autograd/quiet.py: a block repeats the one before only
 #: where that one's bytes fit this many times in the room device_budget leaves.
 QUIET_ROOM = 8
@@ -63,6 +76,10 @@ class SaveCounts:
         self.recomputed_bytes = 0
         # Saves by where they went (NOTE [ Is it working? ] in tierstore/stats.py).
         self.tally = PackTally()
+        # NOTE [ Where kept saves count ]: the kept activations' bytes as the last
+        # step ended, and the device tier's peak with them, over the steps ended.
+        self._kept_mark = 0
+        self._device_peak = 0
 
     def stays(self, nbytes: int) -> bool:
         """Whether a save of ``nbytes`` stays on the device by device_budget, counted if so.
@@ -151,6 +168,54 @@ class SaveCounts:
             room = device.budget - device.bytes  # a graph kept across steps holds some
             self._room = room if 0 < self._step_bytes <= room else -1
             self._step_bytes = self._stayed_n = self._stayed = 0
+            self.device_step_ended()
+
+    def _kept_activations(self) -> int:
+        """Bytes of saves kept as they are, but parameters, so far; under :attr:`lock`."""
+        kept = sum(b for why, (_, b) in self.kept_by.items() if why != "parameter")
+        return kept + self.kept_now()[1]
+
+    def device_step_ended(self) -> None:
+        """The step's kept saves in the device's peak; under :attr:`lock`.
+
+        NOTE [ Where kept saves count ].
+
+        Called once the step's own counts are in :attr:`kept_by`.
+        """
+        device = self._device
+        kept = self._kept_activations()
+        self._device_peak = max(self._device_peak, device.step_peak + kept - self._kept_mark)
+        self._kept_mark = kept
+        device.step_peak = device.bytes
+
+    def device_peak(self) -> int:
+        """The device tier's peak, kept saves counted (NOTE [ Where kept saves count ])."""
+        with self.lock:
+            device = self._device
+            now = device.step_peak + self._kept_activations() - self._kept_mark
+            return max(device.peak, self._device_peak, now)
+
+    def parameters(self) -> tuple[int, int]:
+        """Saves that were parameters (or buffers, or views of them), and their bytes."""
+        with self.lock:
+            n, nbytes = self.kept_by.get("parameter", (0, 0))
+            return n, nbytes
+
+    def step_failed(self) -> None:
+        """The step under way raised: its saves counted; none of the next stays without an entry.
+
+        NOTE [ A step that raised ] in tierstore/tier_store.py: the next step
+        takes the full path, as one after a step that did not fit does.
+        """
+        with self.lock:
+            if self.limits is None:
+                n, nbytes = self.stayed_now()
+                self.add_kept("device_budget", n, nbytes)
+                self._device.budget = self._device_budget
+            self._room = -1
+            self._step_bytes = self._stayed_n = self._stayed = 0
+            if self.limits is None:
+                self.device_step_ended()
 
     def count_recomputed(self, nbytes: int, n: int = 1) -> None:
         """Count ``n`` saved tensors, ``nbytes`` in all, the caller will rebuild in backward."""

@@ -164,6 +164,7 @@ class TierState:
     heap: list[int]  # keys, oldest first; stale keys are skipped lazily
     bytes: int = 0
     peak: int = 0
+    step_peak: int = 0  # since the step began (NOTE [ Where kept saves count ] in tiers/counts.py)
     written: int = 0
     read: int = 0
 
@@ -188,6 +189,7 @@ class TierState:
         if written:
             self.written += size
         self.peak = max(self.peak, self.bytes)
+        self.step_peak = max(self.step_peak, self.bytes)
 
     def resize(self, before: int, after: int) -> None:
         """An entry held here takes ``after`` bytes now instead of ``before``.
@@ -200,6 +202,7 @@ class TierState:
         """
         self.bytes += after - before
         self.peak = max(self.peak, self.bytes)
+        self.step_peak = max(self.step_peak, self.bytes)
 
     def remove(self, entry: Entry, size: int) -> None:
         """Let go of ``entry`` (``size`` bytes)."""

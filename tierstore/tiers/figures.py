@@ -74,13 +74,15 @@ class Figures:
         reads, writes = self._reads, self._writes
         counts = self._counts
         kept, kept_bytes = counts.kept_totals()
+        parameters, parameter_bytes = counts.parameters()
+        device_peak = counts.device_peak()  # NOTE [ Where kept saves count ] in tiers/counts.py
         with counts.lock:
             recomputed, recomputed_bytes = counts.recomputed, counts.recomputed_bytes
         return Stats(
             tiers={
                 name: TierStats(
                     bytes=s.bytes,
-                    peak_bytes=s.peak,
+                    peak_bytes=device_peak if name == "device" else s.peak,
                     entries=len(s.entries),
                     bytes_written=s.written,
                     bytes_read=s.read,
@@ -91,6 +93,8 @@ class Figures:
             deduplicated=deduplicated,
             kept=kept,
             kept_bytes=kept_bytes,
+            parameters=parameters,
+            parameter_bytes=parameter_bytes,
             recomputed=recomputed,
             recomputed_bytes=recomputed_bytes,
             restrided_views=self._placing.restrided_views,

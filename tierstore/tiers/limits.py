@@ -94,5 +94,11 @@ class Limits(Protocol):
     def step_ended(self, peak_bytes: int) -> str | None:
         """The step ended with ``peak_bytes`` resident at most: a line to log, if any."""
 
+    def step_failed(self, excess: int | None) -> str | None:
+        """The step under way raised, short of ``excess`` bytes if out of memory: a line to log.
+
+        ``None``: another error (NOTE [ A step that raised ] in tierstore/tier_store.py).
+        """
+
     def close(self) -> None:
         """Stop; called once, as the manager closes."""

@@ -372,6 +372,35 @@ class TierManager:
                 n, nbytes = runner.kept()  # the step's plan-kept saves, counted for good
                 counts.add_kept("device_budget", n, nbytes)
             line = runner.step_ended(peak)
+            with counts.lock:  # NOTE [ Where kept saves count ] in tiers/counts.py
+                counts.device_step_ended()
+            self._flight.plan_step_ended(runner.window_bytes())
+            said, runner.warnings = runner.warnings, []
+            return line, said
+
+    def step_failed(self, excess: int | None) -> tuple[str | None, list[str]]:
+        """The step under way raised: dropped, the next one begins clean; (INFO line, warnings).
+
+        ``excess``: the bytes an out-of-memory error showed the step short of;
+        ``None``: another error (NOTE [ A step that raised ] in tierstore/tier_store.py).
+        Its entries go as autograd drops its graph, as any graph's do.
+        """
+        with self._releases.locked():
+            self._schedule.abandon()
+            self._transfers.settle()
+            runner = self.limits
+            counts = self._counts
+            with counts.lock:
+                self._resident_peak = 0
+                if runner is not None:
+                    n, nbytes = runner.kept()  # the plan-kept saves it made, counted
+                    counts.add_kept("device_budget", n, nbytes)
+            counts.step_failed()
+            if runner is None:
+                return None, []
+            line = runner.step_failed(excess)
+            with counts.lock:  # NOTE [ Where kept saves count ] in tiers/counts.py
+                counts.device_step_ended()
             self._flight.plan_step_ended(runner.window_bytes())
             said, runner.warnings = runner.warnings, []
             return line, said

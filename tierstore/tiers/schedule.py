@@ -109,6 +109,16 @@ class Schedule:
         self.plan_source = "reverse"
         return self._keys[::-1]
 
+    def abandon(self) -> None:
+        """The step under way raised: its packs and unpacks are no recording.
+
+        The recording of the last step that ended stays.
+        """
+        self._keys, self._signature, self._order = [], [], []
+        self._index.clear()
+        self._plan, self._cursor = [], 0
+        self.unpacking = False
+
     def _end_step(self) -> None:
         self._recorded = (tuple(self._signature), self._order)
         self._keys, self._signature, self._order = [], [], []
