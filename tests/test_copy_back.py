@@ -183,7 +183,7 @@ def test_in_a_planned_step_forward_never_waits_on_a_copy_in_flight(
     assert m.limits is not None
     # A step on its plan, whose window is the store's own limit.
     monkeypatch.setattr(type(m.limits), "planned", property(lambda self: True))
-    monkeypatch.setattr(m.limits, "in_flight_bytes", lambda adding=0: None)
+    monkeypatch.setattr(m.limits, "in_flight_bytes", lambda adding=0, held=0: None)
     monkeypatch.setattr(m.limits, "budget_bytes_now", lambda: 1 << 20)
     saved = [torch.randn(1024) for _ in range(4)]  # 4 KiB each
     handles = [m.put(t, tier="host") for t in saved]  # as the plan's offloads are put
