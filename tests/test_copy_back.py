@@ -183,7 +183,7 @@ def test_in_a_planned_step_forward_never_waits_on_a_copy_in_flight(
     assert m.limits is not None
     # A step on its plan, whose window is the store's own limit.
     monkeypatch.setattr(type(m.limits), "planned", property(lambda self: True))
-    monkeypatch.setattr(m.limits, "in_flight_bytes", lambda adding=0: None)
+    monkeypatch.setattr(m.limits, "in_flight_bytes", lambda adding=0, held=0: None)
     monkeypatch.setattr(m.limits, "budget_bytes_now", lambda: 1 << 20)
     saved = [torch.randn(1024) for _ in range(4)]  # 4 KiB each
     handles = [m.put(t, tier="host") for t in saved]  # as the plan's offloads are put
@@ -206,6 +206,8 @@ def test_the_safe_placement_waits_for_the_oldest_copy_past_the_bound(
     m = _budget_manager(copies, events, _SlowEvent)
     closing.append(m)
     assert m.limits is not None and not m.limits.planned
+    # A budget whose device share (half of it) holds no save: all of them leave.
+    m.limits.budget = 4096  # type: ignore[attr-defined]
     saved = [torch.randn(1024) for _ in range(5)]  # 4 KiB each
     handles = [m.put(t) for t in saved]
     assert [e.waited for e in events] == [True, True, False, False, False]

@@ -368,7 +368,7 @@ def test_in_a_planned_step_forward_never_blocks_on_a_copy_in_flight(
         # A step on its plan, whose window is the store's own limit; the
         # plan's offloads are put to the host tier, as the hooks put them.
         monkeypatch.setattr(type(manager.limits), "planned", property(lambda self: True))
-        monkeypatch.setattr(manager.limits, "in_flight_bytes", lambda adding=0: None)
+        monkeypatch.setattr(manager.limits, "in_flight_bytes", lambda adding=0, held=0: None)
         saved = [torch.randn(1 << 18, device=CUDA) for _ in range(6)]  # 1 MiB each
         torch.cuda._sleep(_SLEEP_CYCLES)  # the producer runs late: no copy lands here
         with monkeypatch.context() as patch:

@@ -60,27 +60,53 @@ class StepLimits:
         return max((plan.window_bytes for plan in self._plans.values()), default=None)
 
     def safe_device_bytes(self) -> int:
-        """What the safe placement keeps on the device (NOTE [ Planned steps ])."""
-        if isinstance(self.budget, float):
-            return 0
-        in_flight = int(self._config.prefetch_bytes) + int(self._config.write_queue_bytes)
+        """What the safe placement keeps on the device (NOTE [ Planned steps ]).
+
+        The budget so far less a window for the bytes in flight, sized from
+        the budget: half of it (at most the settings' prefetch_bytes plus
+        write_queue_bytes), and at least the largest save so far, so that the
+        next save of that size joins the device tier's within the budget.
+
+        Example:
+            >>> from tierstore import TierConfig
+            >>> from tierstore.planning.runner import PlanRunner
+            >>> from tierstore.tiers.movers import LinkClock
+            >>> runner = PlanRunner(TierConfig(activation_budget="24MiB"), LinkClock(),
+            ...                     LinkClock(), lambda: 0.0)
+            >>> runner.safe_device_bytes() >> 20  # half of it; the rest is in flight
+            12
+        """
+        budget = self.budget_bytes_now()
+        step = self._step
+        largest = step.largest if step is not None else 0
+        cap = int(self._config.prefetch_bytes) + int(self._config.write_queue_bytes)
         # Less what steps short of memory were short of (NOTE [ A step that raised ]
         # in tierstore/tier_store.py).
-        return max(0, int(self.budget) - in_flight - self.excess_bytes)
+        return max(budget - max(min(budget // 2, cap), largest) - self.excess_bytes, 0)
 
-    def in_flight_bytes(self, adding: int = 0) -> int | None:
+    def in_flight_bytes(self, adding: int = 0, held: int = 0) -> int | None:
         """What the step under way may hold in flight each way, or ``None``: the limits' own.
 
         A planned step: its plan's window (the store's limits are bounded by
-        the largest kept plan's). A profiled step under a fractional budget:
-        that share of what it saved so far, less ``adding`` (a save about to
-        join the write queue). The step's saved bytes are known only as it
-        runs, and the budget is at least its share of them: the safe
-        placement keeps nothing, and this bounds what it holds in flight
-        (the write queue in forward, the reads ahead in backward). At 0 a
-        save waits for its own write and backward reads on demand
-        (NOTE [ Write staging ] in tierstore/tiers/writebehind.py): a save larger
-        than the share so far never sits in the queue beside it.
+        the largest kept plan's). A step on the safe placement (profiled, or
+        waiting for its first plan): the budget so far (``budget_bytes_now``)
+        less ``held`` (the device tier's bytes) and ``adding`` (a save about
+        to join the write queue), whatever the kind of budget. So the device
+        tier, the write queue (on CUDA the copies off the device too) and the
+        save all stay within the budget. At 0 a save waits for its own write
+        and backward reads on demand (NOTE [ Write staging ] in
+        tierstore/tiers/writebehind.py), as the floor does: a save larger
+        than the room left never sits in the queue beside it.
+
+        Example:
+            >>> from tierstore import TierConfig
+            >>> from tierstore.planning.runner import PlanRunner
+            >>> from tierstore.tiers.movers import LinkClock
+            >>> runner = PlanRunner(TierConfig(activation_budget="8MiB"), LinkClock(),
+            ...                     LinkClock(), lambda: 0.0)
+            >>> runner.choose(1 << 20)  # the first save begins the step: the safe placement
+            >>> runner.in_flight_bytes(adding=1 << 20, held=4 << 20) >> 20
+            3
         """
         step = self._step
         if step is None:
@@ -88,9 +114,9 @@ class StepLimits:
         if self.planned:
             assert self.plan is not None
             return self.plan.window_bytes
-        if not (step.profiling or step.waiting) or not isinstance(self.budget, float):
+        if not (step.profiling or step.waiting):
             return None
-        return max(int(self.budget * step.saved_bytes) - adding, 0)
+        return max(self.budget_bytes_now() - held - adding, 0)
 
     def budget_bytes_now(self) -> int:
         """The budget in bytes for the step under way.
@@ -130,15 +156,17 @@ class StepLimits:
         return not self.planned or self.plan is None or self.plan.hands_back
 
     def read_ahead_bytes(self, held: int) -> int | None:
-        """The bound on reads ahead as backward begins, ``held`` bytes being resident already.
+        """The bound on reads ahead in backward, ``held`` bytes being resident already.
 
-        A planned step: its plan's window. The safe placement: its share
-        less ``held`` and less the largest save, as the window lets one read
-        past its limit (NOTE [ Prefetch ] in tierstore/tiers/readahead.py); at 0
-        backward reads on demand.
+        A planned step: its plan's window. The safe placement: the budget
+        less ``held`` (the device tier, the writes still queued, the copies
+        off the device) and less the largest save, as the window lets one
+        read past its limit (NOTE [ Prefetch ] in tierstore/tiers/readahead.py);
+        at 0 backward reads on demand. Asked again as backward frees the
+        device tier's entries.
         """
-        bound = self.in_flight_bytes()
         step = self._step
-        if bound is None or self.planned or step is None:
-            return bound
-        return max(bound - held - step.largest, 0)
+        if step is None or self.planned:
+            return self.in_flight_bytes()
+        bound = self.in_flight_bytes(held=held)
+        return None if bound is None else max(bound - step.largest, 0)

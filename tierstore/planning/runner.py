@@ -42,16 +42,22 @@ __all__ = ["PLANS_KEPT", "PlanRunner"]
 # With activation_budget set, every step is one of two kinds:
 #   * profiled (the first steps, and the one after a step that did not match
 #     the plan): the safe placement, which meets any budget without knowing
-#     the step (the newest saves kept up to a budget given in bytes less the
-#     bytes in flight, the rest offloaded; with a fraction, whose bytes are
-#     not known yet, everything offloaded, with the write queue and the reads
-#     ahead bounded by the fraction of what the step has saved so far: a
-#     save that would take the queue past it waits for its own write, and
-#     backward reads on demand where one read more would pass it),
-#     while each save is written down:
-#     its bytes, the op and module that made it, what a rebuild would cost
-#     and read, and when forward saved it and backward first used it, with
-#     the waits taken out. The link's rates come from the I/O it did.
+#     the step. One rule for both kinds of budget: B is the budget so far (a
+#     size as it is, a fraction as that share of what the step has saved so
+#     far), and what the placement holds (the device tier, the write queue
+#     with its staged copies, on CUDA the copies off the device, the save
+#     waiting for its own write, and in backward the reads ahead) stays
+#     within B. The device tier keeps the newest saves up to B less a
+#     window sized from B (half of it, at most prefetch_bytes plus
+#     write_queue_bytes, and at least the largest save so far); the bytes in
+#     flight get what the device tier leaves (StepLimits.in_flight_bytes): a
+#     save that finds no room waits for its own write, and backward reads
+#     on demand where one read more would pass B, as at the floor. Each
+#     save is written down: its bytes, the op and module that made it,
+#     what a rebuild would cost and read, and when forward saved it and
+#     backward first used it, with the waits taken out. The link's rates
+#     come from the I/O it did. The steps waiting for a first plan run the
+#     same placement, unprofiled.
 #   * planned: each save does what the plan says, in save order, with the
 #     plan's window bounding the write queue and the reads ahead alike.
 # Plans are kept per shape: the runner keeps the last PLANS_KEPT plans by the

@@ -98,6 +98,8 @@ class InFlight:
         #: What the manager follows (TierManager.follow); ``None``: the config's limits.
         self.limits: Limits | None = None
         self._copy_wait_s = 0.0  # forward's waits for D2H copies (NOTE [ Copies in flight ])
+        #: Backward's reads ahead follow the safe placement's budget: bound again at each read.
+        self.safe_reads = False
 
     def measures(self) -> Measures:
         """The clocks and waits a plan's runner measures the step by."""
@@ -119,19 +121,26 @@ class InFlight:
         The device tier takes the plan's budget or the safe placement's
         (NOTE [ Planned steps ] in planning/runner.py); the write queue waits
         (NOTE [ Write-behind ]); D2H copies are waited for only in a step
-        that follows no plan (NOTE [ Copies in flight ]).
+        that follows no plan, down to what its budget leaves beside the
+        device tier and this save (NOTE [ Copies in flight ]).
         """
         limits = self.limits
-        if limits is not None:
-            planned = limits.planned
-            self._device.budget = _UNBOUNDED if planned else limits.safe_device_bytes()
-            self._writes.limit.hold_to(limits.in_flight_bytes(adding=size))
-        self._writes.make_room(unlocked)
-        cap = self._writes.limit.cap_bytes
-        transfers = self._transfers
-        # Only a planned step may leave a save on the device instead of waiting.
+        writes = self._writes
         planned = limits is not None and limits.planned
-        while not planned and transfers.copies_over(cap):
+        room = None
+        if limits is not None:
+            device = self._device
+            device.budget = _UNBOUNDED if planned else limits.safe_device_bytes()
+            room = limits.in_flight_bytes(adding=size, held=device.bytes)
+            writes.limit.hold_to(room)
+        writes.make_room(unlocked)
+        cap = writes.limit.cap_bytes
+        if planned:  # only a planned step may leave a save on the device instead of waiting
+            return cap
+        if room is not None:
+            cap = min(cap, room)
+        transfers = self._transfers
+        while transfers.copies_over(cap):
             began = time.perf_counter()
             unlocked(transfers.oldest_copy().synchronize)
             self._copy_wait_s += time.perf_counter() - began
@@ -180,11 +189,21 @@ class InFlight:
         """Backward's reads begin: the schedule's order, the window's bound; under the lock."""
         self._schedule.begin()
         limits = self.limits
+        self.safe_reads = limits is not None and not limits.planned
         if limits is not None:  # NOTE [ Planned steps ]
-            held = self._writes.queued_bytes + self._device.bytes
-            # NOTE [ In-flight sizing ] in tiers/sizing.py: a plan's window exactly
-            ahead = limits.read_ahead_bytes(held)
-            self._reads.limit.hold_to(ahead, exact=limits.planned)
+            self.hold_reads()
+
+    def hold_reads(self) -> None:
+        """Bound the reads ahead by what the step holds now; under the lock.
+
+        NOTE [ In-flight sizing ] in tiers/sizing.py: a plan's window exactly.
+        The safe placement asks again at each read (:attr:`safe_reads`), as
+        backward frees the device tier's entries.
+        """
+        limits = self.limits
+        assert limits is not None
+        held = self._writes.queued_bytes + self._device.bytes + self._transfers.copying_bytes
+        self._reads.limit.hold_to(limits.read_ahead_bytes(held), exact=limits.planned)
 
     def resident(self) -> int:
         """Saved bytes on the device: the device tier, in flight, and what the plan kept."""

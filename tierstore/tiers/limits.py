@@ -70,11 +70,11 @@ class Limits(Protocol):
     def safe_device_bytes(self) -> int:
         """The device tier's budget in a step that follows no plan."""
 
-    def in_flight_bytes(self, adding: int = 0) -> int | None:
-        """What the write queue may hold before a save of ``adding`` bytes."""
+    def in_flight_bytes(self, adding: int = 0, held: int = 0) -> int | None:
+        """What may be in flight before a save of ``adding`` bytes, ``held`` on the device tier."""
 
     def read_ahead_bytes(self, held: int) -> int | None:
-        """What backward may read ahead, with ``held`` bytes on the device already."""
+        """What backward may read ahead, with ``held`` bytes resident already."""
 
     def window_bytes(self) -> int | None:
         """The largest window of the plans kept: the in-flight limits' bound."""

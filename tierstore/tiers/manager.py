@@ -426,6 +426,8 @@ class TierManager:
             first = not self._schedule.unpacking
             if first:
                 self._flight.begin_reads()
+            elif self._flight.safe_reads:  # NOTE [ Planned steps ]: held as backward frees
+                self._flight.hold_reads()
             self._schedule.unpacked(entry.key)
             got = self._reads.fetch(entry, first)
             if limits is not None:  # with this entry taken and the reads topped up
