@@ -53,6 +53,10 @@ __all__ = ["PLANS_KEPT", "PlanRunner"]
 #     the waits taken out. The link's rates come from the I/O it did.
 #   * planned: each save does what the plan says, in save order, with the
 #     plan's window bounding the write queue and the reads ahead alike.
+# A step that is neither (waiting) runs the safe placement unrecorded: while
+# the first plan is made off the training thread, and after a step above the
+# budget until its remade plan is ready (NOTE [ A peak above the budget ] in
+# planning/checker.py).
 # Plans are kept per shape: the runner keeps the last PLANS_KEPT plans by the
 # sizes of their profile's saves. A save that differs from the plan's at its
 # place (another size, another branch, more saves) moves the step to a kept
@@ -127,6 +131,31 @@ def _backward_ended(step: _Step) -> None:
     step.ended = time.perf_counter()
 
 
+def _kept_before(expected: tuple[int, ...], plan: Plan) -> list[tuple[int, int, int]]:
+    """What ``plan`` keeps before each of its saves (sizes ``expected``): saves, bytes, resident.
+
+    Saves and bytes count every save kept, as the counters do (NOTE
+    [ Saves that stay ] in tiers/manager.py); the bytes resident count a
+    tensor saved twice and kept both times once (NOTE [ A tensor saved
+    twice ] in planning/planner.py): the profile's second save rests in no
+    new bytes, though its size is the tensor's, for matching steps.
+    """
+    n = nbytes = resident = 0
+    before = [(0, 0, 0)]
+    counted: set[int] = set()
+    for i, (size, choice, save) in enumerate(
+        zip(expected, plan.choices, plan.profile.saves, strict=True)
+    ):
+        if choice == "keep":
+            n, nbytes = n + 1, nbytes + size
+            first = i if save.same_as is None else save.same_as
+            if first not in counted:
+                counted.add(first)
+                resident += size
+        before.append((n, nbytes, resident))
+    return before
+
+
 class PlanRunner(StepLimits):
     """Profiles, plans and applies an activation budget (NOTE [ Planned steps ]).
 
@@ -179,15 +208,18 @@ class PlanRunner(StepLimits):
         self._config = config
         self.plan: Plan | None = None
         self._expected: tuple[int, ...] = ()  # each save's bytes in the plan's profile
-        # The plan's kept saves before each save: (count, bytes) (NOTE [ Saves that
-        # stay ] in tiers/manager.py).
-        self._kept_before: list[tuple[int, int]] = [(0, 0)]
+        # The plan's kept saves before each save: (count, bytes, bytes resident)
+        # (NOTE [ Saves that stay ] in tiers/manager.py; _kept_before).
+        self._kept_before: list[tuple[int, int, int]] = [(0, 0, 0)]
         # NOTE [ Planned steps ]: the kept plans, by their saves' bytes, newest last
         self._plans: OrderedDict[tuple[int, ...], Plan] = OrderedDict()
         # A step left its plan and matched no kept one: "first" profiles the
         # next step that matches none at its first save, "any" the next step.
         self._unseen: Literal["first", "any"] | None = None
         self._step: _Step | None = None
+        # NOTE [ A peak above the budget ] in planning/checker.py: the steps run the
+        # safe placement until a plan is put in use (fall_back).
+        self._falling_back = False
         self._warmed = False  # the store's first step warms up; the next is the profile
         self.warnings: list[str] = []  # for the caller to issue, each once
         self._recorder = ProfileRecorder(
@@ -259,18 +291,40 @@ class PlanRunner(StepLimits):
     def _begin(self) -> _Step:
         profiling = self._profile_next()
         step = _Step(time.perf_counter(), profiling, waits_at_start=self.waits())
-        step.waiting = not profiling and self.plan is None
+        step.waiting = not profiling and (self.plan is None or self._falling_back)
         self._recorder.begin(step)
         self._step = step
         plan = self.plan
         if (
             self._cpu_step_began is not None
             and not profiling
+            and not step.waiting
             and plan is not None
             and plan.profile.shared_link  # a CPU's profile
         ):
             self._cpu_step_began(plan.hands_back)
         return step
+
+    def fall_back(self) -> None:
+        """Run the safe placement from the next step on, until a remade plan is in use.
+
+        The steps run as while the first plan is made (``waiting``: NOTE
+        [ Planned steps ]), the plan kept for when the next one comes:
+        :meth:`_adopt` (a plan remade off the training thread) or
+        :meth:`_use` (one made at once) ends it. NOTE [ A peak above the
+        budget ] in planning/checker.py.
+
+        Example:
+            >>> from tierstore import TierConfig
+            >>> from tierstore.planning.runner import PlanRunner
+            >>> from tierstore.tiers.movers import LinkClock
+            >>> runner = PlanRunner(TierConfig(activation_budget=0.5), LinkClock(), LinkClock(),
+            ...                     lambda: 0.0)
+            >>> runner.fall_back()
+            >>> runner.choose(1024), runner.planned  # the safe placement, not a plan
+            (None, False)
+        """
+        self._falling_back = True
 
     def waits(self) -> float:
         """The store's waits so far, seconds (NOTE [ Timing a profile ] in planning/timers.py)."""
@@ -331,13 +385,8 @@ class PlanRunner(StepLimits):
             plan.measured_peak_bytes = replaced.measured_peak_bytes
             plan.measured_before = plan.measured_step_s is not None
         if plan is not self.plan or expected != self._expected:
-            n = nbytes = 0
-            before = [(0, 0)]
-            for size, choice in zip(expected, plan.choices, strict=True):
-                if choice == "keep":
-                    n, nbytes = n + 1, nbytes + size
-                before.append((n, nbytes))
-            self._kept_before = before
+            self._kept_before = _kept_before(expected, plan)
+        self._falling_back = False  # a plan in use (fall_back)
         self.plan, self._expected = plan, expected
         self._plans[expected] = plan
         self._plans.move_to_end(expected)
@@ -393,8 +442,7 @@ class PlanRunner(StepLimits):
     def kept_fixed(self, nbytes: int) -> None:
         """A save that stays whatever the plan (keep(), small): in every peak."""
         step = self._step if self._step is not None else self._begin()
-        if step.profiling:
-            step.fixed_bytes += nbytes
+        step.fixed_bytes += nbytes  # the profile's, and a planned step's measured peak
         if step.profiling or step.waiting:
             step.saved_bytes += nbytes
 
@@ -476,7 +524,11 @@ class PlanRunner(StepLimits):
         if step is None:
             return None
         if not step.profiling:
-            step.kept_used += planned
+            # NOTE [ A tensor saved twice ] in planning/planner.py, and the peak the
+            # caller takes at backward's first use: a kept save leaves the count at
+            # the use after its first, with all the plan kept resident until then.
+            step.kept_used += step.leaving
+            step.leaving = planned
             if step.backward_at is None:
                 step.backward_at = True  # no save after this one follows the plan
         else:
@@ -512,16 +564,39 @@ class PlanRunner(StepLimits):
         save before that took the plan's choice (NOTE [ Saves that stay ]
         in tiers/manager.py).
         """
+        n, nbytes, _ = self._kept_upto()
+        return n, nbytes
+
+    def _kept_upto(self) -> tuple[int, int, int]:
+        """The plan's kept saves so far in the step under way: saves, bytes, bytes resident."""
         step = self._step
-        if step is None or step.profiling:
-            return 0, 0
+        if step is None or step.profiling or step.waiting:
+            return 0, 0, 0
         upto = step.deviated_at if step.deviated_at is not None else step.index
         return self._kept_before[min(upto, len(self._kept_before) - 1)]
 
-    def kept_resident(self) -> int:
-        """Bytes the plan kept in the step under way that backward has not used yet."""
+    def kept_new(self) -> int:
+        """The bytes the save the plan just kept adds: 0 for a tensor the step kept already.
+
+        What the pack hook hands :func:`~tierstore.autograd.filters.kept_as_is`
+        for backward's first use to take off (:meth:`used`; NOTE [ A tensor
+        saved twice ] in planning/planner.py).
+        """
         step = self._step
-        return 0 if step is None else self.kept()[1] - step.kept_used
+        assert step is not None
+        before, i = self._kept_before, step.index
+        return before[i][2] - before[i - 1][2]
+
+    def kept_resident(self) -> int:
+        """Bytes kept as they are in the step under way that backward has not used yet.
+
+        What the plan kept, and the saves that stay whatever the plan
+        (:meth:`kept_fixed`), which every predicted peak holds too.
+        """
+        step = self._step
+        if step is None or step.profiling:
+            return 0
+        return self._kept_upto()[2] - step.kept_used + step.fixed_bytes
 
     def step_ended(self, peak_bytes: int) -> str | None:
         """The step under way ended; returns the INFO line of a plan made or remade."""
@@ -578,6 +653,7 @@ class PlanRunner(StepLimits):
         remade, checker.remade = checker.remade, None
         if remade is None:
             return None
+        self._falling_back = False  # fall_back: a remade plan from the next step on
         expected, plan, line = remade
         if expected == self._expected or expected not in self._plans:
             self._use(expected, plan)  # a new shape's first plan, too
