@@ -524,11 +524,8 @@ class PlanRunner(StepLimits):
         if step is None:
             return None
         if not step.profiling:
-            # NOTE [ A tensor saved twice ] in planning/planner.py, and the peak the
-            # caller takes at backward's first use: a kept save leaves the count at
-            # the use after its first, with all the plan kept resident until then.
             step.kept_used += step.leaving
-            step.leaving = planned
+            step.leaving = 0
             if step.backward_at is None:
                 step.backward_at = True  # no save after this one follows the plan
         else:
@@ -541,8 +538,12 @@ class PlanRunner(StepLimits):
             if row is not None and step.rows[row].used_at is None:
                 step.rows[row].used_at = now
         if task == step.task:
+            step.kept_used += planned
             return None
         step.task = task
+        # The caller takes the peak at a backward's first use, with all the plan
+        # kept still resident: this save leaves the count at the next use.
+        step.leaving = planned
         return functools.partial(_backward_ended, step)
 
     def profile_timer(self) -> Timer:
