@@ -222,7 +222,7 @@ class SaveHooks:
                     if type(nbytes) is int:
                         choice = runner.choose(nbytes)
                         if choice == "keep":  # counted by the runner, not here
-                            return kept_as_is(t, nbytes)
+                            return kept_as_is(t, runner.kept_new())
                         return self._planned(t, nbytes, choice)
         else:
             if tier == "as is":  # a replayed module's inputs: NOTE [ Replayed modules ]

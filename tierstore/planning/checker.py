@@ -65,22 +65,40 @@ __all__ = [
 # times a moved save's host cost alone.
 
 # NOTE [ A peak above the budget ]
-# A planned step's peak is checked as its time is. One above the budget (and
-# the prediction) by more than REFIT_TOLERANCE, and by more than the largest
-# save (which one copy's timing can move), means the step holds bytes the
-# profile did not see. A fraction of 1.0 or more asks for all the step saves:
-# its peak is not held to anything. Where they came from a torch.compile'd region, no plan
-# can help: a compiled graph runs its whole forward before it hands autograd
-# its saves (the pack hooks run as the region ends), so the region holds all
-# of them at once whatever is done with them after. The profile notes those
-# saves (the stack shows the compiled function's runtime; tier_store.py). The
-# plan is remade once with the excess counted as bytes that stay
-# (fixed_bytes) against the same budget in bytes: a link slower than the
-# profile's, say, kept more copies in flight. A peak still above the budget
-# under the remade plan warns once, with the cause and the fixes: for a
-# whole compiled model, compile per block, whose saves come back a block at
-# a time, or PyTorch's own activation_memory_budget for the compiled region;
-# for compiled blocks, room for one block's saves at once.
+# A planned step's peak is checked before its time, against the budget in
+# bytes. One above it by more than REFIT_TOLERANCE means the step holds bytes
+# the profile did not see (a link slower than the profile's keeps more copies
+# in flight; tensors tierstore does not place), and under a hard limit the
+# steps that overshoot are the ones killed. So the next step runs the safe
+# placement (PlanRunner.fall_back: a waiting step, NOTE [ Planned steps ] in
+# planning/runner.py), which holds the budget without a plan, while the plan
+# is remade off the training thread with the excess over its prediction
+# counted as bytes that stay (fixed_bytes), against the same budget; the
+# steps follow the remade plan from the step boundary where it is ready. A
+# plan whose own prediction is above the budget (the floor's warning said
+# so) is held to that prediction instead, until one is remade for a peak.
+# The peak compared is what the step held, counted as the prediction counts
+# it: the saves the plan keeps, each tensor once (NOTE [ A tensor saved
+# twice ] in planning/planner.py), all of them at backward's first use
+# (PlanRunner.used), the saves that stay whatever the plan (keep(), small
+# saves), the device tier and the bytes in flight. A count that took a
+# tensor saved twice twice remade plans for bytes no step held.
+# A plan that counts an excess and still breaks the budget warns once, at
+# that step's end: the second planned step after the overshoot, the first
+# having waited for the remade plan (sooner where plans are made at once).
+# The warning says why: where the saves came from a torch.compile'd region,
+# no plan can help (a compiled graph runs its whole forward before it hands
+# autograd its saves: the pack hooks run as the region ends, so the region
+# holds all of them at once; the profile notes those saves, whose stack
+# shows the compiled function's runtime, tier_store.py), and the fixes are
+# to compile per block, whose saves come back a block at a time, or to give
+# the compiled region PyTorch's own activation_memory_budget; for compiled
+# blocks, room for one block's saves at once; otherwise, a lower budget.
+# Such a plan is corrected again the same way while it predicts the budget
+# met: each remake counts only what the plan in use did not predict, so the
+# corrections end once a plan holds what the step holds, or predicts more
+# than the budget (no plan meets it: that plan stays). A fraction of 1.0 or
+# more asks for all the step saves: its peak is not held to anything.
 
 # NOTE [ Planning off the training thread ]
 # make_plan searches: each move it weighs is a simulation of the whole step,
@@ -189,7 +207,10 @@ class _Checks:
     checked: bool = False  # the first planned step was checked alone
     stalled: bool = False  # the first planned step stalled: the next was checked alone
     off: float = 0.0  # how far the last check found the prediction off, if it let it be
-    peak_remade_from: Plan | None = None  # a peak above the budget remade this plan, once
+    # The fixed bytes of the last plan remade for a peak above the budget: a plan
+    # that counts them and is over still warns (NOTE [ A peak above the budget ]).
+    peak_fixed: int | None = None
+    peak_excess: int = 0  # the excess those fixed bytes hold, all remakes together
 
 
 class PlanChecker:
@@ -261,12 +282,19 @@ class PlanChecker:
         return self.make(profile, "made", expected=expected)
 
     def ended(self, measured: float, peak_bytes: int) -> str | None:
-        """A step on the runner's plan measured ``measured`` seconds and ``peak_bytes``."""
-        plan = self._runner.plan
-        line = self.refit(measured)
-        if self._runner.plan is plan:  # not remade for its time: its peak is checked too
-            line = self.check_peak(peak_bytes) or line
-        return line
+        """A step on the runner's plan measured ``measured`` seconds and ``peak_bytes``.
+
+        The peak first: a step above the budget is corrected whatever its
+        time, which is then judged on the plan remade (NOTE [ A peak above
+        the budget ]).
+        """
+        runner = self._runner
+        plan = runner.plan
+        if self.over_budget(peak_bytes):
+            line = self.check_peak(peak_bytes)
+            if runner._falling_back or runner.plan is not plan:
+                return line
+        return self.refit(measured)
 
     def close(self) -> None:
         """Drop a plan still being made and end the planning process. Idempotent.
@@ -351,62 +379,87 @@ class PlanChecker:
         """Make the plan again (NOTE [ Planning off the training thread ])."""
         return self.make(profile, "remade", budget)
 
-    def check_peak(self, peak: int) -> str | None:
-        """NOTE [ A peak above the budget ]: re-plan once, then warn once."""
+    def over_budget(self, peak: int) -> bool:
+        """Whether a step on the runner's plan that peaked at ``peak`` bytes broke the budget.
+
+        More than REFIT_TOLERANCE above it; for a plan that predicted more
+        and counts no excess yet, above that prediction (NOTE [ A peak above
+        the budget ]).
+        """
         plan = self._runner.plan
         assert plan is not None
         if isinstance(self._runner.budget, float) and self._runner.budget >= 1.0:
-            return None  # all the step saves: nothing to hold it to
-        checks = self._checks.setdefault(self._runner._expected, _Checks())
-        # Past a plan that predicted more than the budget (the floor's warning
-        # says so) only until one was remade for it; then past the budget.
+            return False  # all the step saves: nothing to hold it to
         allowed = plan.budget_bytes
-        if checks.peak_remade_from is None:
+        if not self._counts_excess(plan):
             allowed = max(allowed, plan.predicted_peak_bytes)
-        largest = max((save.nbytes for save in plan.profile.saves), default=0)
-        if peak <= allowed + max(REFIT_TOLERANCE * allowed, largest):
-            return None  # within what one save, in flight or not, can move it
+        return peak > allowed * (1 + REFIT_TOLERANCE)
+
+    def _counts_excess(self, plan: Plan) -> bool:
+        """Whether ``plan`` was remade counting the excess of a peak above the budget."""
+        checks = self._checks.get(self._runner._expected)
+        fixed = checks.peak_fixed if checks is not None else None
+        return fixed is not None and plan.profile.fixed_bytes >= fixed
+
+    def check_peak(self, peak: int) -> str | None:
+        """NOTE [ A peak above the budget ]: the safe placement now, a plan remade; a warning.
+
+        ``peak``: the measured peak of a step over the budget
+        (:meth:`over_budget`). Returns the INFO line of a plan remade at once.
+        """
+        runner = self._runner
+        plan = runner.plan
+        assert plan is not None
+        checks = self._checks.setdefault(runner._expected, _Checks())
+        if self._counts_excess(plan):
+            self._warn_peak(peak, plan, checks.peak_excess)
+            if not plan.fits:
+                return None  # no plan holds it: the closest stays, and the floor said so
+        checks.times.clear()  # the time checks start again on the plan remade
+        unseen = max(peak - plan.predicted_peak_bytes, 0)
+        profile = replace(plan.profile, fixed_bytes=plan.profile.fixed_bytes + unseen)
+        checks.peak_fixed = profile.fixed_bytes
+        checks.peak_excess += unseen
+        runner.fall_back()  # until the remade plan is in use: made at once, that is now
+        return self.remake(profile, plan.budget_bytes)
+
+    def _warn_peak(self, peak: int, plan: Plan, excess: int) -> None:
+        """A plan remade counting ``excess`` bytes more is over the budget still: warn, once."""
+        if self._peak_warned:
+            return
+        self._peak_warned = True
         compiled, regions = self._compiled.get(self._runner._expected, (0, 0))
-        if checks.peak_remade_from is None:
-            checks.peak_remade_from = plan
-            unseen = peak - plan.predicted_peak_bytes
-            profile = replace(plan.profile, fixed_bytes=plan.profile.fixed_bytes + unseen)
-            return self.remake(profile, plan.budget_bytes)
-        if plan is checks.peak_remade_from:
-            return None  # the plan remade for it is not in use yet
-        if not self._peak_warned:
-            self._peak_warned = True
-            head = (
-                f"tierstore: the step's peak, measured {human_bytes(peak)}, is above "
-                f"activation_budget={self._runner.asked!r} ({human_bytes(plan.budget_bytes)}): "
+        head = (
+            f"tierstore: the step's peak, measured {human_bytes(peak)}, is above "
+            f"activation_budget={self._runner.asked!r} ({human_bytes(plan.budget_bytes)}): "
+        )
+        if compiled and regions > 1:
+            cause = (
+                f"{human_bytes(compiled)} of its saves came from torch.compile'd regions, "
+                "each of which hands its saves over together as it ends, so the budget "
+                "needs room for a whole region's saves at once. Compile smaller regions, "
+                f"or raise activation_budget ({ENV_PREFIX}ACTIVATION_BUDGET)"
             )
-            if compiled and regions > 1:
-                cause = (
-                    f"{human_bytes(compiled)} of its saves came from torch.compile'd regions, "
-                    "each of which hands its saves over together as it ends, so the budget "
-                    "needs room for a whole region's saves at once. Compile smaller regions, "
-                    f"or raise activation_budget ({ENV_PREFIX}ACTIVATION_BUDGET)"
-                )
-            elif compiled:
-                cause = (
-                    f"{human_bytes(compiled)} of its saves came from a torch.compile'd region, "
-                    "which hands them over only as it ends, after its forward has held them "
-                    "all, so no plan can bring that region under the budget. Compile each "
-                    "block instead of the whole model (block.compile() for each block: "
-                    "tierstore then places each block's saves as it ends), or give the "
-                    "compiled region PyTorch's own budget "
-                    "(torch._functorch.config.activation_memory_budget)"
-                )
-            else:
-                cause = (
-                    f"the plan predicted {human_bytes(plan.predicted_peak_bytes)}, and remade "
-                    "once counting the excess it still does not hold. A link slower than the "
-                    "profile's keeps more copies in flight, or the step holds tensors tierstore "
-                    "does not place. Lower activation_budget "
-                    f"({ENV_PREFIX}ACTIVATION_BUDGET) by the difference"
-                )
-            self._runner.warnings.append(head + cause)
-        return None
+        elif compiled:
+            cause = (
+                f"{human_bytes(compiled)} of its saves came from a torch.compile'd region, "
+                "which hands them over only as it ends, after its forward has held them "
+                "all, so no plan can bring that region under the budget. Compile each "
+                "block instead of the whole model (block.compile() for each block: "
+                "tierstore then places each block's saves as it ends), or give the "
+                "compiled region PyTorch's own budget "
+                "(torch._functorch.config.activation_memory_budget)"
+            )
+        else:
+            cause = (
+                f"the plan predicted {human_bytes(plan.predicted_peak_bytes)}, counting as "
+                f"bytes that stay the {human_bytes(excess)} an earlier step held beyond its "
+                "plan, and the step holds more still: a link slower than the profile's "
+                "keeps more copies in flight, or the step holds tensors tierstore does not "
+                f"place. Lower activation_budget ({ENV_PREFIX}ACTIVATION_BUDGET) by the "
+                "difference"
+            )
+        self._runner.warnings.append(head + cause)
 
     def _rescaled(self, profile: Profile) -> str | None:
         """The plan under way with its prediction made on ``profile``: the same choices."""

@@ -119,6 +119,7 @@ class _Step:
     moved_saves: int = 0  # the saves it moved out (NOTE [ Pricing a moved save first ])
     # bytes of plan-kept saves backward has used (NOTE [ Saves that stay ] in tiers/manager.py)
     kept_used: int = 0
+    leaving: int = 0  # a backward's first kept save used, counted used at the next use
     compiled_bytes: int = (
         0  # by compiled regions (NOTE [ A peak above the budget ] in planning/checker.py)
     )

@@ -60,6 +60,10 @@ __all__ = ["PLANS_KEPT", "PlanRunner"]
 #     same placement, unprofiled.
 #   * planned: each save does what the plan says, in save order, with the
 #     plan's window bounding the write queue and the reads ahead alike.
+# A step that is neither (waiting) runs the safe placement unrecorded: while
+# the first plan is made off the training thread, and after a step above the
+# budget until its remade plan is ready (NOTE [ A peak above the budget ] in
+# planning/checker.py).
 # Plans are kept per shape: the runner keeps the last PLANS_KEPT plans by the
 # sizes of their profile's saves. A save that differs from the plan's at its
 # place (another size, another branch, more saves) moves the step to a kept
@@ -135,6 +139,31 @@ def _backward_ended(step: _Step) -> None:
     step.ended = time.perf_counter()
 
 
+def _kept_before(expected: tuple[int, ...], plan: Plan) -> list[tuple[int, int, int]]:
+    """What ``plan`` keeps before each of its saves (sizes ``expected``): saves, bytes, resident.
+
+    Saves and bytes count every save kept, as the counters do (NOTE
+    [ Saves that stay ] in tiers/manager.py); the bytes resident count a
+    tensor saved twice and kept both times once (NOTE [ A tensor saved
+    twice ] in planning/planner.py): the profile's second save rests in no
+    new bytes, though its size is the tensor's, for matching steps.
+    """
+    n = nbytes = resident = 0
+    before = [(0, 0, 0)]
+    counted: set[int] = set()
+    for i, (size, choice, save) in enumerate(
+        zip(expected, plan.choices, plan.profile.saves, strict=True)
+    ):
+        if choice == "keep":
+            n, nbytes = n + 1, nbytes + size
+            first = i if save.same_as is None else save.same_as
+            if first not in counted:
+                counted.add(first)
+                resident += size
+        before.append((n, nbytes, resident))
+    return before
+
+
 class PlanRunner(StepLimits):
     """Profiles, plans and applies an activation budget (NOTE [ Planned steps ]).
 
@@ -192,21 +221,22 @@ class PlanRunner(StepLimits):
         # bytes at each step's start (_follow_room); 0 until the first.
         asked = config.activation_budget
         self.budget: int | float = asked if not isinstance(asked, str) else 0
-        # fall_back(): the steps run the safe placement until a remade plan is adopted.
-        self._falling_back = False
         self._said: str | None = None  # a plan remade at once as a step began: its INFO line
         self._config = config
         self.plan: Plan | None = None
         self._expected: tuple[int, ...] = ()  # each save's bytes in the plan's profile
-        # The plan's kept saves before each save: (count, bytes) (NOTE [ Saves that
-        # stay ] in tiers/manager.py).
-        self._kept_before: list[tuple[int, int]] = [(0, 0)]
+        # The plan's kept saves before each save: (count, bytes, bytes resident)
+        # (NOTE [ Saves that stay ] in tiers/manager.py; _kept_before).
+        self._kept_before: list[tuple[int, int, int]] = [(0, 0, 0)]
         # NOTE [ Planned steps ]: the kept plans, by their saves' bytes, newest last
         self._plans: OrderedDict[tuple[int, ...], Plan] = OrderedDict()
         # A step left its plan and matched no kept one: "first" profiles the
         # next step that matches none at its first save, "any" the next step.
         self._unseen: Literal["first", "any"] | None = None
         self._step: _Step | None = None
+        # NOTE [ A peak above the budget ] in planning/checker.py: the steps run the
+        # safe placement until a plan is put in use (fall_back).
+        self._falling_back = False
         self._warmed = False  # the store's first step warms up; the next is the profile
         # What steps short of memory were short of: the safe placement keeps it
         # off the device (NOTE [ A step that raised ] in tierstore/tier_store.py).
@@ -281,22 +311,6 @@ class PlanRunner(StepLimits):
             return False
         return self.plan is None or self._unseen is not None
 
-    def fall_back(self) -> None:
-        """From the next step on, steps run the safe placement until a remade plan is adopted.
-
-        The steps are ``waiting``, as before a first plan; :meth:`_adopt` ends it.
-
-        Example:
-            >>> from tierstore import TierConfig
-            >>> from tierstore.planning.runner import PlanRunner
-            >>> from tierstore.tiers.movers import LinkClock
-            >>> runner = PlanRunner(TierConfig(activation_budget="1MiB"), LinkClock(),
-            ...                     LinkClock(), lambda: 0.0)
-            >>> runner.fall_back(); runner.planned
-            False
-        """
-        self._falling_back = True
-
     def _follow_room(self, room: Room) -> None:
         """Under "auto": this step's budget, and the plan following it.
 
@@ -348,6 +362,7 @@ class PlanRunner(StepLimits):
         if (
             self._cpu_step_began is not None
             and not profiling
+            and not step.waiting
             and plan is not None
             and plan.profile.shared_link  # a CPU's profile
         ):
@@ -372,6 +387,27 @@ class PlanRunner(StepLimits):
             if self.plan is None and remade is not None:
                 return remade[1]
         return self.plan
+
+    def fall_back(self) -> None:
+        """Run the safe placement from the next step on, until a remade plan is in use.
+
+        The steps run as while the first plan is made (``waiting``: NOTE
+        [ Planned steps ]), the plan kept for when the next one comes:
+        :meth:`_adopt` (a plan remade off the training thread) or
+        :meth:`_use` (one made at once) ends it. NOTE [ A peak above the
+        budget ] in planning/checker.py.
+
+        Example:
+            >>> from tierstore import TierConfig
+            >>> from tierstore.planning.runner import PlanRunner
+            >>> from tierstore.tiers.movers import LinkClock
+            >>> runner = PlanRunner(TierConfig(activation_budget=0.5), LinkClock(), LinkClock(),
+            ...                     lambda: 0.0)
+            >>> runner.fall_back()
+            >>> runner.choose(1024), runner.planned  # the safe placement, not a plan
+            (None, False)
+        """
+        self._falling_back = True
 
     def waits(self) -> float:
         """The store's waits so far, seconds (NOTE [ Timing a profile ] in planning/timers.py)."""
@@ -432,13 +468,8 @@ class PlanRunner(StepLimits):
             plan.measured_peak_bytes = replaced.measured_peak_bytes
             plan.measured_before = plan.measured_step_s is not None
         if plan is not self.plan or expected != self._expected:
-            n = nbytes = 0
-            before = [(0, 0)]
-            for size, choice in zip(expected, plan.choices, strict=True):
-                if choice == "keep":
-                    n, nbytes = n + 1, nbytes + size
-                before.append((n, nbytes))
-            self._kept_before = before
+            self._kept_before = _kept_before(expected, plan)
+        self._falling_back = False  # a plan in use (fall_back)
         self.plan, self._expected = plan, expected
         self._plans[expected] = plan
         self._plans.move_to_end(expected)
@@ -496,8 +527,7 @@ class PlanRunner(StepLimits):
     def kept_fixed(self, nbytes: int) -> None:
         """A save that stays whatever the plan (keep(), small): in every peak."""
         step = self._step if self._step is not None else self._begin()
-        if step.profiling:
-            step.fixed_bytes += nbytes
+        step.fixed_bytes += nbytes  # the profile's, and a planned step's measured peak
         if step.profiling or step.waiting:
             step.saved_bytes += nbytes
 
@@ -581,7 +611,8 @@ class PlanRunner(StepLimits):
         if self.room is not None and step.backward_at is None:
             self.room.backward_began()  # NOTE [ The room a step has ]
         if not step.profiling:
-            step.kept_used += planned
+            step.kept_used += step.leaving
+            step.leaving = 0
             if step.backward_at is None:
                 step.backward_at = True  # no save after this one follows the plan
         else:
@@ -594,8 +625,12 @@ class PlanRunner(StepLimits):
             if row is not None and step.rows[row].used_at is None:
                 step.rows[row].used_at = now
         if task == step.task:
+            step.kept_used += planned
             return None
         step.task = task
+        # The caller takes the peak at a backward's first use, with all the plan
+        # kept still resident: this save leaves the count at the next use.
+        step.leaving = planned
         if task != -1:  # a backward under way, not ended (NOTE [ A step that raised ])
             step.ended = None
         if self.room is not None:
@@ -627,16 +662,39 @@ class PlanRunner(StepLimits):
         save before that took the plan's choice (NOTE [ Saves that stay ]
         in tiers/manager.py).
         """
+        n, nbytes, _ = self._kept_upto()
+        return n, nbytes
+
+    def _kept_upto(self) -> tuple[int, int, int]:
+        """The plan's kept saves so far in the step under way: saves, bytes, bytes resident."""
         step = self._step
-        if step is None or step.profiling or step.waiting:  # waiting: no plan followed
-            return 0, 0
+        if step is None or step.profiling or step.waiting:
+            return 0, 0, 0
         upto = step.deviated_at if step.deviated_at is not None else step.index
         return self._kept_before[min(upto, len(self._kept_before) - 1)]
 
-    def kept_resident(self) -> int:
-        """Bytes the plan kept in the step under way that backward has not used yet."""
+    def kept_new(self) -> int:
+        """The bytes the save the plan just kept adds: 0 for a tensor the step kept already.
+
+        What the pack hook hands :func:`~tierstore.autograd.filters.kept_as_is`
+        for backward's first use to take off (:meth:`used`; NOTE [ A tensor
+        saved twice ] in planning/planner.py).
+        """
         step = self._step
-        return 0 if step is None else self.kept()[1] - step.kept_used
+        assert step is not None
+        before, i = self._kept_before, step.index
+        return before[i][2] - before[i - 1][2]
+
+    def kept_resident(self) -> int:
+        """Bytes kept as they are in the step under way that backward has not used yet.
+
+        What the plan kept, and the saves that stay whatever the plan
+        (:meth:`kept_fixed`), which every predicted peak holds too.
+        """
+        step = self._step
+        if step is None or step.profiling:
+            return 0
+        return self._kept_upto()[2] - step.kept_used + step.fixed_bytes
 
     def step_ended(self, peak_bytes: int) -> str | None:
         """The step under way ended; returns the INFO line of a plan made or remade."""
@@ -711,14 +769,10 @@ class PlanRunner(StepLimits):
     def _remake_meanwhile_safe(self, plan: Plan, budget: int | None = None) -> str | None:
         """Remake ``plan``, the steps on the safe placement until it is in use: its INFO line.
 
-        A plan made at once (no search) is in use already: no step falls back.
+        A plan made at once (no search) is in use already: ``_use`` ends the fall-back.
         """
         self.fall_back()
-        checker = self._checker
-        line = checker.remake(plan.profile, budget)
-        if not checker.making() and checker.remade is None:
-            self._falling_back = False  # made at once: the next step runs on it
-        return line
+        return self._checker.remake(plan.profile, budget)
 
     def _profiled(self, step: _Step, total: float) -> str | None:
         """A profiled step ended: its profile's plan (NOTE [ Planned steps ]); its INFO line."""
