@@ -121,6 +121,12 @@ class Stats:
             ``tierstore/codec.py``); the first is warned of. Every other
             saved tensor comes back with the shape and strides it was
             saved with.
+        steps: training steps the store has run (NOTE [ Step log ] says where
+            one ends).
+        planned_steps: of those, the steps that ran under an
+            ``activation_budget`` plan: made for their shape, or carried over
+            to it from another (NOTE [ Plans across shapes ] in
+            ``tierstore/planning/carry.py``).
 
     Example:
         >>> import torch, tierstore
@@ -157,6 +163,8 @@ class Stats:
     recomputed: int = 0
     recomputed_bytes: int = 0
     restrided_views: int = 0
+    steps: int = 0
+    planned_steps: int = 0
 
     @property
     def prefetch_hit_rate(self) -> float | None:
@@ -364,12 +372,14 @@ class PackTally:
         return f"tierstore: nothing left the device in {where}: {why}; {hint}"
 
 
-def step_summary(step: int, now: Stats, before: Stats | None) -> str:
+def step_summary(step: int, now: Stats, before: Stats | None, kind: str = "") -> str:
     """One line on a training step: bytes per tier, what moved, prefetch hits and waits.
 
     ``before`` is the snapshot at the end of the previous step (``None``: the
     first step); moved bytes, hits and waits are this step's, peaks are the
-    store's.
+    store's. ``kind``: what the step was under ``activation_budget``
+    (``"profiled"``, ``"planned"``, ``"planned, carried over"``, ``"safe
+    placement"``), after its number.
 
     Example:
         >>> tier = TierStats(bytes=0, peak_bytes=4096, entries=0, bytes_written=4096,
@@ -395,7 +405,7 @@ disk 4.0 KiB; moved to host 0 B, to disk 4.0 KiB, back 4.0 KiB; prefetch 1 hits,
     back = sum(moved(t, "bytes_read") for t in ("host", "disk"))
     peaks = ", ".join(f"{t} {human_bytes(now.tiers[t].peak_bytes)}" for t in TIERS)
     return (
-        f"tierstore: step {step}: saved {now.packed - b.packed} "
+        f"tierstore: step {step}{f' ({kind})' if kind else ''}: saved {now.packed - b.packed} "
         f"({now.kept - b.kept} kept on the device, {human_bytes(now.kept_bytes - b.kept_bytes)}); "
         f"peak {peaks}; moved to host {human_bytes(moved('host', 'bytes_written'))}, "
         f"to disk {human_bytes(moved('disk', 'bytes_written'))}, back {human_bytes(back)}; "

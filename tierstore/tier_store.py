@@ -29,6 +29,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -68,6 +69,15 @@ __all__ = ["TierStore"]
 
 #: The ``tierstore`` logger: one INFO line per training step (NOTE [ Step log ]).
 log = logging.getLogger("tierstore")
+
+#: What a step was under activation_budget, as its INFO line says it (PlanRunner.step_kind).
+_KINDS = {
+    "": "",
+    "profiled": "profiled",
+    "planned": "planned",
+    "carried": "planned, carried over",
+    "safe": "safe placement",
+}
 
 
 # NOTE [ Step log ]
@@ -391,7 +401,8 @@ class TierStore:
         if not log.isEnabledFor(logging.INFO) or self._manager.closed:
             return
         now = self._manager.stats()
-        log.info("%s", step_summary(self._steps, now, self._logged))
+        kind = _KINDS[self._runner.step_kind] if self._runner is not None else ""
+        log.info("%s", step_summary(self._steps, now, self._logged, kind))
         self._logged = now
 
     def plan(self) -> Plan | None:
@@ -448,7 +459,9 @@ class TierStore:
             >>> host.bytes, host.peak_bytes
             (0, 1024)
         """
-        return self._manager.stats()
+        runner = self._runner
+        planned = runner.planned_steps if runner is not None else 0
+        return replace(self._manager.stats(), steps=self._steps, planned_steps=planned)
 
     @property
     def closed(self) -> bool:
