@@ -223,6 +223,7 @@ def cheaper(
         >>> cheaper(p, ("keep",) * 3, 100, 250)[:2]  # 100 in flight besides what it keeps
         (('offload', 'offload', 'keep'), 100)
     """
+    window = _room(profile, choices, window, budget)
     outcome = simulate(profile, choices, window)
     if outcome.peak_bytes <= budget:
         return choices, window, outcome
@@ -242,8 +243,22 @@ def cheaper(
     for width in windows:
         trial, result = _fewest(profile, choices, kept, width, budget)
         if _better(result, best[2], budget):
-            best = (trial, width, result)
+            best = (trial, _room(profile, trial, width, budget), result)
     return best
+
+
+def _room(profile: Profile, choices: Sequence[Choice], window: int, budget: int) -> int:
+    """``window``, at most the budget's room beside what ``choices`` keeps (one copy at least).
+
+    The profile's link may be faster than the step's: a window the
+    simulation never fills could fill as the step runs, past the budget.
+    """
+    kept = profile.fixed_bytes + sum(
+        s.nbytes for s, c in zip(profile.saves, choices, strict=True) if c == "keep"
+    )
+    if window <= ONE_AT_A_TIME:
+        return window
+    return max(min(window, budget - kept), ONE_AT_A_TIME)
 
 
 def _better(a: Outcome, b: Outcome, budget: int) -> bool:
@@ -268,15 +283,18 @@ def _fewest(
             out[i] = "offload"
         return tied(profile, out)
 
+    def played(trial: tuple[Choice, ...]) -> Outcome:
+        return simulate(profile, trial, _room(profile, trial, window, budget))
+
     low, high = 0, len(kept)  # the fewest that fit is in (low, high]
     best = flipped(high)
-    outcome = simulate(profile, best, window)
+    outcome = played(best)
     if outcome.peak_bytes > budget:
         return best, outcome
     while high - low > 1:
         mid = (low + high) // 2
         trial = flipped(mid)
-        result = simulate(profile, trial, window)
+        result = played(trial)
         if result.peak_bytes <= budget:
             high, best, outcome = mid, trial, result
         else:

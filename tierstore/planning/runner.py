@@ -55,16 +55,20 @@ __all__ = ["CARRIED_KEPT", "PLANS_KEPT", "PlanRunner"]
 #   * planned: each save does what the plan says, in save order, with the
 #     plan's window bounding the write queue and the reads ahead alike.
 # Plans are kept per shape: the runner keeps the last PLANS_KEPT plans by the
-# sizes of their profile's saves. A save that differs from the plan's at its
-# place (another size, another branch, more saves) moves the step to a kept
-# plan that saved the same sizes so far and chose the same for them (a step
-# of another sequence length differs at its first save, where nothing was
-# chosen yet). With none, the plan ends for the rest of the step: the tier
-# manager returns to the safe placement, counting what the plan kept so
-# far, and a later step of that shape is profiled: the next one that matches
-# no kept plan at its first save, or the next one at all when the step that
-# left the plan had matched one there. So steps whose shapes come and go
-# (buckets of sequence lengths) are each profiled once, then planned.
+# sizes of their profile's saves, and each profile's saves' shapes. A save
+# that differs from the plan's at its place (another size, another branch,
+# more saves) moves the step to a kept plan that saved the same sizes so far
+# and chose the same for them. A step whose first save matches none by size
+# but a kept plan by signature (another sequence length, batch size, the
+# last partial batch) runs that plan carried over to its shape, from its
+# first save (NOTE [ Plans across shapes ] in planning/carry.py), as does a
+# step of a plan's own shape under a budget in bytes the plan was not made
+# for. Otherwise the plan ends for the rest of the step: the tier manager
+# returns to the safe placement, counting what the plan kept so far, and a
+# later step of that shape is profiled: the next one that matches no kept
+# plan at its first save, or the next one at all when the step that left
+# the plan had matched one there. So a run profiles each model and branch
+# once, whatever its lengths, then plans every step.
 # On a machine without an accelerator the disk I/O runs on the step's own
 # cores: the CPU time of the I/O threads in the profiled step is charged to
 # the bytes it moved (Profile.moved_s_per_byte) and taken out of the compute
@@ -437,7 +441,8 @@ class PlanRunner(StepLimits):
             return "offload" if first in step.carry_offloaded else choice
         if choice == "keep":
             n, kept = step.carry_kept
-            in_flight = min(step.carry_out, plan.window_bytes)
+            # In flight: the window, or one copy of the largest save it let through.
+            in_flight = min(step.carry_out, max(plan.window_bytes, step.largest))
             if step.fixed_bytes + kept + nbytes + in_flight <= plan.budget_bytes:
                 step.carry_kept = (n + 1, kept + nbytes)
                 return choice
@@ -445,6 +450,7 @@ class PlanRunner(StepLimits):
             choice = "offload"
         if choice == "offload":
             step.carry_out += nbytes
+            step.largest = max(step.largest, nbytes)
         return choice
 
     def _switch(self, index: int, nbytes: int) -> bool:
@@ -507,6 +513,10 @@ class PlanRunner(StepLimits):
             or step.deviated_at is not None
             or step.backward_at is not None
         ):
+            return "no"
+        if carry is None and not step.chosen and self._carries:
+            # Shapes vary (NOTE [ Plans across shapes ] in planning/carry.py): a save must
+            # show the step's shape before a module's saves go unseen.
             return "no"
         if first in step.passed:
             return "again"
