@@ -32,7 +32,15 @@ from tierstore.planning.plan_types import (
 from tierstore.planning.planner import simulate, tied
 from tierstore.planning.simulation import Outcome
 
-__all__ = ["Carry", "Shape", "carry_over", "cheaper", "dim_map", "predicted_shape"]
+__all__ = [
+    "Carry",
+    "Shape",
+    "carry_over",
+    "cheaper",
+    "dim_map",
+    "predicted_shape",
+    "unfolded",
+]
 
 # NOTE [ Plans across shapes ]
 # A save's signature is what does not depend on its size: its place in the
@@ -42,22 +50,25 @@ __all__ = ["Carry", "Shape", "carry_over", "cheaper", "dim_map", "predicted_shap
 # signature, runs that plan from its first save: another sequence length,
 # another batch size, the last partial batch. Its sizes are predicted, not
 # profiled: the dims that changed between the plan's first save and the
-# step's (192 -> 128, 8 -> 5) are applied to every profiled shape, a dim that
-# is a product of changed ones (a Linear's folded batch times length) by the
-# product, and a save's bytes scale with its elements (S x S attention then
-# grows as S squared). Times scale with the step's saved bytes, the nearest
-# measure of its work the step has before it runs. The carried plan's peak
-# is simulated on that profile before the step runs; one that would not fit
-# the budget in force offloads more of its kept saves, the earliest first
-# (forward holds them longest), the fewest that fit found by halving: no
-# profile, no search, no planning process. As the step runs each save is its
-# own size, and a kept save that would take what the step keeps past the
-# budget, the plan's in-flight bytes counted, is offloaded (the runner's
-# check). A dim of the plan's first save that takes two new values (a batch
-# of 256 beside a length of 256 that changes) cannot be mapped: that plan
-# is not carried over. Carried plans are cached by their source plan, the
-# step's shape and the budget in force, so a budget that changes
-# ("auto") gets its own.
+# step's (192 -> 128, 8 -> 5) are applied to every profiled shape, a dim
+# that is a product of changed ones (a Linear's folded batch times length)
+# by the product, and a save's bytes scale with its elements (S x S
+# attention then grows as S squared). A first save whose changed dim is
+# itself a fold (batch times length, as a Linear that opens the model saves
+# it) cannot tell which of the two changed: each reading that splits it into
+# two dims the profile has is played, and the one that saves the most is
+# taken. Times scale with the step's saved bytes, the nearest measure of its
+# work the step has before it runs. The carried plan's peak is simulated on
+# that profile before the step runs; one that would not fit the budget in
+# force offloads more of its kept saves, the earliest first (forward holds
+# them longest), the fewest that fit found by halving: no profile, no
+# search, no planning process. As the step runs each save is its own size,
+# and a kept save that would take what the step keeps past the budget, the
+# plan's in-flight bytes counted, is offloaded (the runner's check). A dim
+# of the plan's first save that takes two new values (a batch of 256 beside
+# a length of 256 that changes) cannot be mapped: that plan is not carried
+# over. Carried plans are cached by their source plan, the step's shape and
+# the budget in force, so a budget that changes ("auto") gets its own.
 
 #: A save's dtype (any value the hook reads off the tensor; compared, never read) and shape.
 Shape = tuple[object, tuple[int, ...]]
@@ -139,15 +150,13 @@ def carry_over(
         >>> carry.sizes, carry.plan.choices
         ((1024, 1024, 1024), ('keep', 'keep', 'keep'))
     """
-    profiled = shapes[index][1]
-    dims = dim_map(profiled, shape)
+    dims = dim_map(shapes[index][1], shape)
     if dims is None:
         return None
-    sizes = []
-    for expected, (_, old) in zip(_sizes(source), shapes, strict=True):
-        elements = math.prod(old)
-        new = math.prod(predicted_shape(old, dims))
-        sizes.append(expected if elements == 0 else expected // elements * new)
+    known = {d for _, s in shapes for d in s}
+    sizes = max(
+        (_predicted(source, shapes, m) for m in unfolded(dims, known)), key=sum
+    )  # the largest reading: NOTE [ Plans across shapes ]
     profile = _scaled_to(source.profile, sizes)
     allowed = int(budget * profile.saved_bytes) if isinstance(budget, float) else int(budget)
     choices, window, outcome = cheaper(profile, source.choices, source.window_bytes, allowed)
@@ -165,6 +174,40 @@ def carry_over(
     )
     signatures = tuple((dtype, len(s)) for dtype, s in shapes)
     return Carry(source, plan, signatures, tuple(sizes))
+
+
+def unfolded(dims: dict[int, int], known: set[int]) -> list[dict[int, int]]:
+    """``dims``, and each reading of a changed dim as two dims of ``known`` folded into one.
+
+    A first save of ``(batch * length, width)`` tells that the product
+    changed, not which of the two did: each reading scales one of them.
+
+    Example:
+        >>> from tierstore.planning.carry import unfolded
+        >>> [[m.get(2, 2), m.get(128, 128)] for m in unfolded({256: 512, 32: 32}, {2, 128, 32})]
+        [[2, 128], [4, 128], [2, 256]]
+    """
+    out = [dims]
+    for old, new in dims.items():
+        if old == new:
+            continue
+        for a in sorted(known):
+            b = old // a
+            if a < 2 or b < 2 or a * b != old or b not in known:
+                continue
+            if new % b == 0 and dims.get(a, new // b) == new // b:
+                out.append({**dims, a: new // b})
+    return out
+
+
+def _predicted(source: Plan, shapes: Sequence[Shape], dims: dict[int, int]) -> list[int]:
+    """Each save's bytes with ``dims`` applied to its profiled shape."""
+    sizes = []
+    for expected, (_, old) in zip(_sizes(source), shapes, strict=True):
+        elements = math.prod(old)
+        new = math.prod(predicted_shape(old, dims))
+        sizes.append(expected if elements == 0 else expected // elements * new)
+    return sizes
 
 
 def _sizes(plan: Plan) -> list[int]:
@@ -220,8 +263,8 @@ def cheaper(
         >>> from tierstore.planning.planner import Profile, Save
         >>> saves = tuple(Save(100, "aten.mm", "m", 0.1 * i, 0.1 * (3 - i)) for i in range(3))
         >>> p = Profile(saves, 1.0, 1.0, 0.0, 1e9, 1e9, 0)
-        >>> cheaper(p, ("keep",) * 3, 100, 250)[:2]  # 100 in flight besides what it keeps
-        (('offload', 'offload', 'keep'), 100)
+        >>> cheaper(p, ("keep",) * 3, 100, 250)[:2]  # one copy in flight beside what it keeps
+        (('offload', 'offload', 'keep'), 1)
     """
     window = _room(profile, choices, window, budget)
     outcome = simulate(profile, choices, window)
