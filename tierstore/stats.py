@@ -128,6 +128,12 @@ class Stats:
             ``tierstore/codec.py``); the first is warned of. Every other
             saved tensor comes back with the shape and strides it was
             saved with.
+        steps: training steps the store has run (NOTE [ Step log ] says where
+            one ends).
+        planned_steps: of those, the steps that ran under an
+            ``activation_budget`` plan: made for their shape, or carried over
+            to it from another (NOTE [ Plans across shapes ] in
+            ``tierstore/planning/carry.py``).
 
     Example:
         >>> import torch, tierstore
@@ -166,6 +172,8 @@ class Stats:
     recomputed: int = 0
     recomputed_bytes: int = 0
     restrided_views: int = 0
+    steps: int = 0
+    planned_steps: int = 0
 
     @property
     def prefetch_hit_rate(self) -> float | None:
@@ -374,12 +382,14 @@ class PackTally:
         return f"tierstore: nothing left the device in {where}: {why}; {hint}"
 
 
-def step_summary(step: int, now: Stats, before: Stats | None) -> str:
+def step_summary(step: int, now: Stats, before: Stats | None, kind: str = "") -> str:
     """One line on a training step: bytes per tier, what moved, prefetch hits and waits.
 
     ``before`` is the snapshot at the end of the previous step (``None``: the
     first step); moved bytes, hits and waits are this step's, peaks are the
-    store's. The saves it kept on the device are activations, which the
+    store's. ``kind``: what the step was under ``activation_budget``
+    (``"profiled"``, ``"planned"``, ``"planned, carried over"``, ``"safe
+    placement"``), after its number. The saves it kept on the device are activations, which the
     device's peak counts; the parameters it saved, which the model holds
     anyway, are counted apart (NOTE [ Where kept saves count ] in
     ``tierstore/tiers/counts.py``).
@@ -412,7 +422,7 @@ host 0 B, disk 4.0 KiB; moved to host 0 B, to disk 4.0 KiB, back 4.0 KiB; prefet
     kept_bytes = now.kept_bytes - now.parameter_bytes - b.kept_bytes + b.parameter_bytes
     parameters = now.parameters - b.parameters
     return (
-        f"tierstore: step {step}: saved {now.packed - b.packed} "
+        f"tierstore: step {step}{f' ({kind})' if kind else ''}: saved {now.packed - b.packed} "
         f"({kept} kept on the device, {human_bytes(kept_bytes)}; "
         f"{parameters} {'parameter' if parameters == 1 else 'parameters'}); "
         f"peak {peaks}; moved to host {human_bytes(moved('host', 'bytes_written'))}, "

@@ -29,6 +29,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -71,6 +72,15 @@ log = logging.getLogger("tierstore")
 #: How long :meth:`TierStore.plan` waits for the first plan, seconds (NOTE [ The first
 #: plan ] in planning/checker.py): a search takes seconds on a busy machine.
 PLAN_TIMEOUT_S = 60.0
+
+#: What a step was under activation_budget, as its INFO line says it (PlanRunner.step_kind).
+_KINDS = {
+    "": "",
+    "profiled": "profiled",
+    "planned": "planned",
+    "carried": "planned, carried over",
+    "safe": "safe placement",
+}
 
 
 # NOTE [ Step log ]
@@ -450,7 +460,8 @@ class TierStore:
         if not log.isEnabledFor(logging.INFO) or self._manager.closed:
             return
         now = self._manager.stats()
-        log.info("%s", step_summary(self._steps, now, self._logged))
+        kind = _KINDS[self._runner.step_kind] if self._runner is not None else ""
+        log.info("%s", step_summary(self._steps, now, self._logged, kind))
         self._logged = now
 
     def _step_failed(self, excess: int | None) -> None:
@@ -533,7 +544,9 @@ class TierStore:
             >>> host.bytes, host.peak_bytes
             (0, 1024)
         """
-        return self._manager.stats()
+        runner = self._runner
+        planned = runner.planned_steps if runner is not None else 0
+        return replace(self._manager.stats(), steps=self._steps, planned_steps=planned)
 
     @property
     def closed(self) -> bool:

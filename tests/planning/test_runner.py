@@ -257,7 +257,7 @@ def _kind(store: tierstore.TierStore) -> str:
     return "profiled" if runner.profiling else "planned" if runner.planned else "safe"
 
 
-def test_shapes_that_come_and_go_are_each_profiled_once_then_planned(
+def test_shapes_that_come_and_go_run_the_kept_plan_carried_over(
     budget_store: Callable[..., tierstore.TierStore],
 ) -> None:
     store = budget_store(0.6)
@@ -272,16 +272,17 @@ def test_shapes_that_come_and_go_are_each_profiled_once_then_planned(
     assert kinds == [
         "profiled",  # the store's first step warms up (its profile is not used)
         "profiled",
-        "planned",
-        "safe",  # another size at the first save, no plan for it: the safe placement
-        "planned",  # a kept shape at its first save: its plan, no profile
-        "profiled",  # the new shape
-        *["planned"] * 4,  # each shape follows its own plan from then on
+        # Another size at the first save, the same signatures: the plan carried
+        # over (NOTE [ Plans across shapes ]); no profile of the new shape.
+        *["planned"] * 8,
     ]
     runner = store._runner
     assert runner is not None
-    assert len(runner._plans) == 2
-    assert store.plan() is runner._plans[runner._expected]
+    assert len(runner._plans) == 1
+    assert runner.step_kind == "planned" and store.stats().planned_steps == 7
+    carry = runner._step.carry if runner._step is not None else None  # the last step, of 8
+    assert carry is not None and store.plan() is carry.plan
+    assert carry.source is runner._plans[runner._expected]
 
 
 def test_a_step_that_leaves_its_plan_after_the_first_save_is_profiled_next() -> None:

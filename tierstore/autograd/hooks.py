@@ -220,7 +220,8 @@ class SaveHooks:
                 else:
                     nbytes = unusual(t) or nbytes
                     if type(nbytes) is int:
-                        choice = runner.choose(nbytes)
+                        # Its signature beside its bytes: NOTE [ Plans across shapes ]
+                        choice = runner.choose(nbytes, t.dtype, t.shape)
                         if choice == "keep":  # counted by the runner, not here
                             return kept_as_is(t, runner.kept_new())
                         return self._planned(t, nbytes, choice)

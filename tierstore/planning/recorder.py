@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tierstore.config import TierConfig
+from tierstore.planning.carry import Carry
 from tierstore.planning.planner import Profile, Save
 from tierstore.planning.timers import BusyTimer, HostTimer, Timer
 from tierstore.tiers.movers import LinkClock
@@ -131,6 +132,15 @@ class _Step:
     # and the modules where keep() stored one (NOTE [ Modules kept whole ] in autograd/regions.py).
     stays_in: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     stored_in: set[str] = field(default_factory=set)
+    # A profiled step's saves' (dtype, shape), in save order (NOTE [ Plans across shapes ]
+    # in planning/carry.py); a carried step's plan, and what it kept and moved so far.
+    shapes: list[tuple[object, tuple[int, ...]]] = field(default_factory=list)
+    carry: Carry | None = None
+    carry_kept: tuple[int, int] = (0, 0)  # saves, bytes (a tensor saved again: none)
+    carry_added: int = 0  # the bytes the last save kept added (kept_new)
+    carry_out: int = 0  # bytes offloaded so far
+    carry_offloaded: set[int] = field(default_factory=set)  # kept saves the check offloaded
+    chosen: bool = False  # a save of the step took a plan's choice
 
 
 class ProfileRecorder:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from tierstore.config import AUTO, TierConfig
+from tierstore.planning.carry import Carry, Shape, carry_over
 from tierstore.planning.checker import FIRST_PLAN_WAIT, PlanChecker
 from tierstore.planning.limits import StepLimits
 from tierstore.planning.planner import Choice, Plan
@@ -36,7 +37,7 @@ from tierstore.planning.room import GROW, Room
 from tierstore.planning.timers import BusyTimer, Timer
 from tierstore.tiers.movers import LinkClock
 
-__all__ = ["PLANS_KEPT", "PlanRunner"]
+__all__ = ["CARRIED_KEPT", "PLANS_KEPT", "PlanRunner"]
 
 # NOTE [ Planned steps ]
 # With activation_budget set, every step is one of two kinds:
@@ -65,16 +66,20 @@ __all__ = ["PLANS_KEPT", "PlanRunner"]
 # budget until its remade plan is ready (NOTE [ A peak above the budget ] in
 # planning/checker.py).
 # Plans are kept per shape: the runner keeps the last PLANS_KEPT plans by the
-# sizes of their profile's saves. A save that differs from the plan's at its
-# place (another size, another branch, more saves) moves the step to a kept
-# plan that saved the same sizes so far and chose the same for them (a step
-# of another sequence length differs at its first save, where nothing was
-# chosen yet). With none, the plan ends for the rest of the step: the tier
-# manager returns to the safe placement, counting what the plan kept so
-# far, and a later step of that shape is profiled: the next one that matches
-# no kept plan at its first save, or the next one at all when the step that
-# left the plan had matched one there. So steps whose shapes come and go
-# (buckets of sequence lengths) are each profiled once, then planned.
+# sizes of their profile's saves, and each profile's saves' shapes. A save
+# that differs from the plan's at its place (another size, another branch,
+# more saves) moves the step to a kept plan that saved the same sizes so far
+# and chose the same for them. A step whose first save matches none by size
+# but a kept plan by signature (another sequence length, batch size, the
+# last partial batch) runs that plan carried over to its shape, from its
+# first save (NOTE [ Plans across shapes ] in planning/carry.py), as does a
+# step of a plan's own shape under a budget in bytes the plan was not made
+# for. Otherwise the plan ends for the rest of the step: the tier manager
+# returns to the safe placement, counting what the plan kept so far, and a
+# later step of that shape is profiled: the next one that matches no kept
+# plan at its first save, or the next one at all when the step that left
+# the plan had matched one there. So a run profiles each model and branch
+# once, whatever its lengths, then plans every step.
 # On a machine without an accelerator the disk I/O runs on the step's own
 # cores: the CPU time of the I/O threads in the profiled step is charged to
 # the bytes it moved (Profile.moved_s_per_byte) and taken out of the compute
@@ -132,6 +137,9 @@ __all__ = ["PLANS_KEPT", "PlanRunner"]
 
 #: How many plans, one per shape of step, the runner keeps (NOTE [ Planned steps ]).
 PLANS_KEPT = 8
+#: How many plans carried over to other shapes the runner keeps (NOTE [ Plans across
+#: shapes ] in planning/carry.py): each is derived again, in milliseconds, when it is gone.
+CARRIED_KEPT = 32
 
 
 def _backward_ended(step: _Step) -> None:
@@ -230,6 +238,14 @@ class PlanRunner(StepLimits):
         self._kept_before: list[tuple[int, int, int]] = [(0, 0, 0)]
         # NOTE [ Planned steps ]: the kept plans, by their saves' bytes, newest last
         self._plans: OrderedDict[tuple[int, ...], Plan] = OrderedDict()
+        # Their profiled saves' (dtype, shape), and the plans carried over to other shapes,
+        # by (sizes, save, shape, budget) (NOTE [ Plans across shapes ] in planning/carry.py).
+        self._shapes: dict[tuple[int, ...], tuple[Shape, ...]] = {}
+        self._carries: OrderedDict[tuple[object, ...], Carry] = OrderedDict()
+        #: Steps that ran under a plan (made for their shape or carried over), and
+        #: what the last step was: "profiled", "planned", "carried", "safe".
+        self.planned_steps = 0
+        self.step_kind = ""
         # A step left its plan and matched no kept one: "first" profiles the
         # next step that matches none at its first save, "any" the next step.
         self._unseen: Literal["first", "any"] | None = None
@@ -413,10 +429,14 @@ class PlanRunner(StepLimits):
         """The store's waits so far, seconds (NOTE [ Timing a profile ] in planning/timers.py)."""
         return self._recorder.waits()
 
-    def choose(self, nbytes: int) -> Choice | None:
+    def choose(
+        self, nbytes: int, dtype: object = None, shape: tuple[int, ...] = ()
+    ) -> Choice | None:
         """What to do with the next save of the step; ``None``: the safe placement.
 
-        The first save of a step begins it.
+        ``dtype`` and ``shape``: the tensor's, as the hook reads them: its
+        signature (NOTE [ Plans across shapes ] in planning/carry.py). The
+        first save of a step begins it.
         """
         step = self._step if self._step is not None else self._begin()
         index = step.index
@@ -425,8 +445,13 @@ class PlanRunner(StepLimits):
             expected = self._expected
             if index < len(expected) and expected[index] == nbytes and step.backward_at is None:
                 return self.plan.choices[index]  # type: ignore[union-attr]
-        if step.profiling and index == 0 and self._unseen == "first" and self._switch(0, nbytes):
-            step.profiling = False  # a kept shape after all: no profile needed
+        if step.carry is not None:  # on a plan carried over to this shape
+            return self._carried(step, index, nbytes, dtype, len(shape))
+        if step.profiling:
+            if index == 0 and self._unseen == "first" and self._switch(0, nbytes):
+                step.profiling = False  # a kept shape after all: no profile needed
+            else:
+                step.shapes.append((dtype, tuple(shape)))
         if (
             step.waiting
         ):  # NOTE [ Planning off the training thread ] in planning/checker.py: the safe placement
@@ -437,15 +462,135 @@ class PlanRunner(StepLimits):
             return None
         assert self.plan is not None
         expected = self._expected
-        if step.backward_at is not None or (
-            (index >= len(expected) or expected[index] != nbytes)
-            and not self._switch(index, nbytes)
-        ):
+        if step.backward_at is None and index < len(expected) and expected[index] == nbytes:
+            if not step.chosen and self._rebudgeted(step, index, dtype, shape):
+                return self._carried(step, index, nbytes, dtype, len(shape))
+        elif step.backward_at is not None or not self._switch(index, nbytes):
+            first = step.backward_at is None and not step.chosen
+            if first and self._carry(step, index, dtype, shape):
+                return self._carried(step, index, nbytes, dtype, len(shape))
             step.deviated_at = index
             step.following = False
             return None
-        step.following = True
+        step.chosen = step.following = True
         return self.plan.choices[index]
+
+    def _rebudgeted(self, step: _Step, index: int, dtype: object, shape: tuple[int, ...]) -> bool:
+        """A step of the plan's own shape, under a budget in bytes the plan was not made for.
+
+        Re-checked against the budget in force: carried over to its own
+        shape (NOTE [ Plans across shapes ] in planning/carry.py).
+        """
+        budget, plan = self.budget, self.plan
+        if isinstance(budget, float) or plan is None or plan.budget_bytes == int(budget):
+            return False
+        return self._carry(step, index, dtype, shape, within=((self._expected, plan),))
+
+    def _carry(
+        self,
+        step: _Step,
+        index: int,
+        dtype: object,
+        shape: tuple[int, ...],
+        within: tuple[tuple[tuple[int, ...], Plan], ...] | None = None,
+    ) -> bool:
+        """Put the step, at its first save ``index``, on a kept plan carried over to its shape.
+
+        NOTE [ Plans across shapes ] in planning/carry.py: of the kept plans
+        whose save ``index`` has this signature, the carried plan that fits
+        the budget in force and is predicted fastest; ``within``: those only.
+        """
+        shape = tuple(shape)
+        if not shape and within is None:
+            return False  # no shape to map another size by
+        best: Carry | None = None
+        for expected, plan in within if within is not None else tuple(self._plans.items()):
+            carry = self._carried_plan(expected, plan, index, dtype, shape)
+            if carry is None:
+                continue
+            rank = (not carry.plan.fits, carry.plan.predicted_step_s)
+            if best is None or rank < (not best.plan.fits, best.plan.predicted_step_s):
+                best = carry
+        if best is None:
+            return False
+        step.carry = best
+        step.following = False  # each save is checked: NOTE [ Plans across shapes ]
+        saves, choices = best.plan.profile.saves, best.plan.choices
+        kept = [i for i in range(index) if choices[i] == "keep" and saves[i].same_as is None]
+        step.carry_kept = (len(kept), sum(best.sizes[i] for i in kept))  # modules gone past
+        self.plan = best.plan
+        return True
+
+    def _carried_plan(
+        self,
+        expected: tuple[int, ...],
+        plan: Plan,
+        index: int,
+        dtype: object,
+        shape: tuple[int, ...],
+    ) -> Carry | None:
+        """``plan`` carried over to a step whose save ``index`` is ``dtype`` and ``shape``."""
+        shapes = self._shapes.get(expected)
+        if (
+            shapes is None
+            or index >= len(shapes)
+            or shapes[index][0] != dtype
+            or len(shapes[index][1]) != len(shape)
+        ):
+            return None
+        key = (expected, index, shape, self.budget)
+        carry = self._carries.get(key)
+        if carry is None or carry.source is not plan:
+            carry = carry_over(plan, shapes, index, shape, self.budget)
+            if carry is None:
+                return None
+            self._carries[key] = carry
+            while len(self._carries) > CARRIED_KEPT:
+                self._carries.popitem(last=False)
+        self._carries.move_to_end(key)
+        return carry
+
+    def _carried(
+        self, step: _Step, index: int, nbytes: int, dtype: object, rank: int
+    ) -> Choice | None:
+        """A save of a step on a carried plan: the plan's choice, checked against the budget.
+
+        NOTE [ Plans across shapes ] in planning/carry.py: a kept save that
+        would take what the step keeps past the budget, with the plan's
+        in-flight bytes, is offloaded.
+        """
+        carry = step.carry
+        assert carry is not None
+        plan = carry.plan
+        if (
+            step.backward_at is not None
+            or step.deviated_at is not None
+            or index >= len(carry.signatures)
+            or carry.signatures[index] != (dtype, rank)
+        ):
+            if step.deviated_at is None:
+                step.deviated_at = index
+            return None
+        step.chosen = True
+        choice = plan.choices[index]
+        first = plan.profile.saves[index].same_as
+        if first is not None:  # the same tensor again: its first save's lot
+            step.carry_added = 0  # kept already, if kept (kept_new)
+            return "offload" if first in step.carry_offloaded else choice
+        if choice == "keep":
+            n, kept = step.carry_kept
+            # In flight: the window, or one copy of the largest save it let through.
+            in_flight = min(step.carry_out, max(plan.window_bytes, step.largest))
+            if step.fixed_bytes + kept + nbytes + in_flight <= plan.budget_bytes:
+                step.carry_kept = (n + 1, kept + nbytes)
+                step.carry_added = nbytes
+                return choice
+            step.carry_offloaded.add(index)
+            choice = "offload"
+        if choice == "offload":
+            step.carry_out += nbytes
+            step.largest = max(step.largest, nbytes)
+        return choice
 
     def _switch(self, index: int, nbytes: int) -> bool:
         """Move the step, at save ``index`` of ``nbytes``, to a kept plan that chose alike.
@@ -477,6 +622,7 @@ class PlanRunner(StepLimits):
             forgotten = self._plans.popitem(last=False)[0]
             self.short_of.pop(forgotten, None)
             self._checker.forget(forgotten)
+            self._shapes.pop(forgotten, None)
 
     def passes(self, plan: Plan, first: int, end: int) -> Literal["no", "past", "again"]:
         """Whether the step goes past a module whose saves are ``plan``'s ``[first, end)``.
@@ -490,21 +636,37 @@ class PlanRunner(StepLimits):
         in the profile, all counted the first time) goes past ``"again"``.
         """
         step = self._step if self._step is not None else self._begin()
+        carry = step.carry
+        if carry is not None and (
+            plan is not carry.source or carry.plan.choices[first:end] != plan.choices[first:end]
+        ):
+            return "no"  # carried over, and more offloaded there: each save is placed
         if (
-            self.plan is not plan
+            (self.plan is not plan and carry is None)
             or step.profiling
             or step.waiting
             or step.deviated_at is not None
             or step.backward_at is not None
         ):
             return "no"
+        if carry is None and not step.chosen and self._carries:
+            # Shapes vary (NOTE [ Plans across shapes ] in planning/carry.py): a save must
+            # show the step's shape before a module's saves go unseen.
+            return "no"
         if first in step.passed:
             return "again"
         if step.index != first:
             return "no"
         step.index = end
-        step.following = True
         step.passed.add(first)
+        if carry is None:
+            step.following = True
+            return "past"
+        saves, n, kept = plan.profile.saves, *step.carry_kept
+        for i in range(first, end):
+            if plan.choices[i] == "keep" and saves[i].same_as is None:
+                n, kept = n + 1, kept + carry.sizes[i]
+        step.carry_kept = (n, kept)
         return "past"
 
     def beside(self, modules: tuple[str, ...], why: str, nbytes: int) -> None:
@@ -670,6 +832,9 @@ class PlanRunner(StepLimits):
         step = self._step
         if step is None or step.profiling or step.waiting:
             return 0, 0, 0
+        if step.carry is not None:  # actual bytes: a tensor kept twice counts once
+            n, nbytes = step.carry_kept
+            return n, nbytes, nbytes
         upto = step.deviated_at if step.deviated_at is not None else step.index
         return self._kept_before[min(upto, len(self._kept_before) - 1)]
 
@@ -682,6 +847,8 @@ class PlanRunner(StepLimits):
         """
         step = self._step
         assert step is not None
+        if step.carry is not None:  # its own bytes, not the profile's
+            return step.carry_added
         before, i = self._kept_before, step.index
         return before[i][2] - before[i - 1][2]
 
@@ -701,9 +868,14 @@ class PlanRunner(StepLimits):
         step, self._step = self._step, None
         if self.room is not None and step is not None:
             self.room.step_ended(peak_bytes)  # NOTE [ The room a step has ] in planning/room.py
+        self.step_kind = "" if step is None else _kind(step)
+        if self.step_kind in ("planned", "carried"):
+            self.planned_steps += 1
         if step is None or step.waiting:  # waiting: on the safe placement, for the first plan
             return self._adopt()
         total = time.perf_counter() - step.started
+        if step.carry is not None:  # NOTE [ Plans across shapes ] in planning/carry.py
+            return self._carried_ended(step, total, peak_bytes)
         if step.profiling:
             self._adopt()
             if not self._warmed:
@@ -774,6 +946,24 @@ class PlanRunner(StepLimits):
         self.fall_back()
         return self._checker.remake(plan.profile, budget)
 
+    def _carried_ended(self, step: _Step, total: float, peak_bytes: int) -> str | None:
+        """A step on a carried plan ended: its figures on that plan; the kept plan back.
+
+        Its checks are the kept plan's own steps' (NOTE [ Plans across shapes ]
+        in planning/carry.py).
+        """
+        carry = step.carry
+        assert carry is not None
+        self.plan = carry.source
+        if step.deviated_at is not None:  # a shape no kept plan has (NOTE [ Planned steps ])
+            self._unseen = "first" if step.deviated_at == 0 else "any"
+            return self._adopt()
+        plan = carry.plan
+        plan.measured_step_s = total
+        plan.measured_peak_bytes = peak_bytes
+        plan.steps += 1
+        return self._adopt()
+
     def _profiled(self, step: _Step, total: float) -> str | None:
         """A profiled step ended: its profile's plan (NOTE [ Planned steps ]); its INFO line."""
         profile = self._recorder.profile(step, total)
@@ -781,6 +971,8 @@ class PlanRunner(StepLimits):
             return None
         # Not the runner's until its plan is: a plan made off the thread comes later.
         expected = tuple(r.nbytes for r in step.rows)
+        if len(step.shapes) == len(step.rows):  # NOTE [ Plans across shapes ] in planning/carry.py
+            self._shapes[expected] = tuple(step.shapes)
         self._unseen = None
         compiled = (step.compiled_bytes, len(step.compiled_in))
         line = self._checker.profiled(profile, expected, compiled)
@@ -820,3 +1012,12 @@ class PlanRunner(StepLimits):
             if again in self._plans:
                 return checker.make(self._plans[again].profile, "remade", expected=again) or line
         return line
+
+
+def _kind(step: _Step) -> str:
+    """What ``step`` was: "profiled", "planned" (its shape's plan), "carried" or "safe"."""
+    if step.profiling:
+        return "profiled"
+    if step.waiting or step.deviated_at is not None:
+        return "safe"
+    return "carried" if step.carry is not None else "planned"
