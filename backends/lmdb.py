@@ -196,13 +196,15 @@ class LmdbBackend(Backend[bytes]):
             self._joined.close()
 
     def _trim_buffers(self) -> int:
-        # The writes' buffer, unless a write holds it now: never wait for one.
-        if not self._write_lock.acquire(blocking=False):
+        # The writes' buffer, unless a write holds it now. `with`, not
+        # acquire(blocking=False) then try, where an interrupt in between would
+        # leave the lock held (NOTE [ Finalizers and interrupts ] in
+        # tierstore/tiers/release.py): at worst it waits for one write that
+        # began since the check.
+        if self._write_lock.locked():
             return 0
-        try:
+        with self._write_lock:
             return self._joined.trim() if self._joined is not None else 0
-        finally:
-            self._write_lock.release()
 
     def _footprint(self, nbytes: int) -> int:
         """An upper bound on the pages a record of ``nbytes`` takes.

@@ -31,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -57,7 +58,7 @@ from tierstore.tiers.limits import Limits, Measures
 from tierstore.tiers.movers import LinkClock, Pipeline
 from tierstore.tiers.placement import TierPlacement
 from tierstore.tiers.readahead import ReadAhead
-from tierstore.tiers.release import Releases
+from tierstore.tiers.release import Releases, close_collected, close_now, close_when_collected
 from tierstore.tiers.schedule import Schedule
 from tierstore.tiers.transfers import Transfers
 from tierstore.tiers.writebehind import WriteBehind
@@ -174,7 +175,11 @@ class TierManager:
         self._transfers = Transfers(config, links)
         # Stops the I/O threads and frees host memory even if the store is
         # dropped without close().
-        self._finalizer = weakref.finalize(self, _close_movers, self._pipeline, self._transfers)
+        # NOTE [ Finalizers and interrupts ] in tiers/release.py: queued, not run, when collected.
+        close_collected()
+        self._finalizer = close_when_collected(
+            self, functools.partial(_close_movers, self._pipeline, self._transfers)
+        )
         self._schedule = Schedule()
         self._reads = ReadAhead(
             config,
@@ -544,7 +549,8 @@ class TierManager:
         with self._releases.lock:
             self._releases.drop_all()
             final = self._figures.snapshot(self._packed, self._dedupe.hits)
-        self._finalizer()
+        close_now(self._finalizer)
+        close_collected()
         with self._releases.lock:  # the pools are gone with the movers: nothing is held now
             self._final = dataclasses.replace(final, host_pool_bytes=0, buffer_bytes_in_use=0)
 
