@@ -11,6 +11,9 @@ live one, since liveness is the lock, not the name.
 
 The directory goes away on ``close()``, and at interpreter exit through a
 ``weakref.finalize`` (which runs from ``atexit``) for a store nobody closed.
+So do the directories the store made to reach ``root`` (``disk_path`` and
+its missing parents), deepest first, each only while it is empty: ranks
+share ``disk_path``, and the last one out removes it.
 
 A process killed with SIGKILL, or by the OOM killer, runs neither, so every
 new :class:`SpillDir` first sweeps ``root`` for directories left by dead
@@ -24,9 +27,11 @@ Races the sweep has to survive:
 * A directory still being set up has no ``.lock`` yet. The owner creates the
   lock file under a temporary name, locks it, and only then renames it to
   ``.lock``, so a ``.lock`` that can be locked always means a dead owner; a
-  directory without one is never touched. (A process killed inside that
-  window of a few system calls leaves a directory no sweep removes; that is
-  the price of never removing a live one.)
+  directory without one is never touched. An error or a Ctrl-C
+  (KeyboardInterrupt) anywhere between the ``mkdir`` and the rename removes
+  the directory again. (A process killed with SIGKILL inside that window of
+  a few system calls leaves a directory no sweep removes; that is the price
+  of never removing a live one.)
 * Two sweepers: the one that holds the lock removes the directory; the other
   fails to take the lock and moves on, or finds the directory already gone.
 * ``fork()``: a child shares the parent's lock (same open file description),
@@ -178,7 +183,7 @@ def _rank_part() -> str:
     return ""
 
 
-def _remove(path: str, lock_fd: int, owner_pid: int) -> None:
+def _remove(path: str, lock_fd: int, owner_pid: int, made: tuple[str, ...] = ()) -> None:
     # Runs from close() or at interpreter exit; must never raise.
     try:
         if os.getpid() == owner_pid:
@@ -188,11 +193,16 @@ def _remove(path: str, lock_fd: int, owner_pid: int) -> None:
     finally:
         with contextlib.suppress(OSError):
             os.close(lock_fd)  # closing the last fd on the file releases the flock
+    if os.getpid() == owner_pid:
+        _unmake_dirs(made)
 
 
-def _make_dirs(root: Path) -> None:
-    # Path.mkdir(parents=True) gives the parents default permissions; every
-    # directory we create gets 0700 (the umask can only narrow it).
+def _make_dirs(root: Path) -> tuple[str, ...]:
+    """Create ``root`` and its missing parents, mode 0700; returns those it made, deepest first.
+
+    Path.mkdir(parents=True) gives the parents default permissions; every
+    directory made here gets 0700 (the umask can only narrow it).
+    """
     missing: list[Path] = []
     p = root
     while not os.path.lexists(p):
@@ -200,9 +210,24 @@ def _make_dirs(root: Path) -> None:
         if p.parent == p:
             break
         p = p.parent
+    made: list[str] = []
     for d in reversed(missing):
         with contextlib.suppress(FileExistsError):  # made by someone else meanwhile
             os.mkdir(d, 0o700)
+            made.append(str(d))
+    return tuple(reversed(made))
+
+
+def _unmake_dirs(made: tuple[str, ...]) -> None:
+    """Remove the directories :func:`_make_dirs` made, deepest first, while they are empty.
+
+    NOTE [ Spill directory lifecycle ]: other ranks' stores may share them.
+    """
+    for d in made:
+        try:
+            os.rmdir(d)  # only an empty directory: never another store's files
+        except OSError:
+            return  # in use, or gone: its parents hold it, or are not ours to judge
 
 
 def _random_name() -> str:
@@ -210,22 +235,45 @@ def _random_name() -> str:
     return secrets.token_hex(6)
 
 
-def _make_private_dir(root: Path, stem: str) -> str:
-    """``mkdir <root>/<stem><random>``, mode 0700; returns its path.
+def _make_private_dir(root: Path, stem: str) -> tuple[str, int]:
+    """``mkdir <root>/<stem><random>``, mode 0700, with its lock; returns its path and the lock.
 
     A name already taken is skipped, whatever is there (``NOTE [ Spill
     directory security ]``): mkdir never follows a symlink or reuses an entry.
+    Whatever stops it once the directory is made (an error, Ctrl-C) removes
+    the directory: none is left without its ``.lock`` (NOTE [ Spill
+    directory lifecycle ]).
     """
     for _ in range(_NAME_TRIES):
         path = os.path.join(root, stem + _random_name())
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:
-            continue
-        return path
+            continue  # someone else's: never touched
+        except BaseException:  # Ctrl-C as mkdir returned, say
+            _unmake_private_dir(path)
+            raise
+        try:
+            return path, SpillDir._take_lock(path)
+        except BaseException:
+            _unmake_private_dir(path)
+            raise
     raise FileExistsError(
         errno.EEXIST, f"{_NAME_TRIES} random names all taken", os.path.join(root, stem + "*")
     )
+
+
+def _unmake_private_dir(path: str) -> None:
+    """Remove a private directory whose setup failed: its lock files, then it.
+
+    The name is random and was free a moment ago, so what is there is ours;
+    rmdir removes only an empty directory all the same.
+    """
+    for name in (_LOCK_TMP_NAME, _LOCK_NAME):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(path, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 def _owner(uid: int) -> str:
@@ -393,26 +441,23 @@ class SpillDir:
 
     def __init__(self, root: Path, prefix: str = "tierstore-") -> None:
         root = Path(os.path.abspath(root))
+        made: tuple[str, ...] = ()
         try:
-            _make_dirs(root)
+            made = _make_dirs(root)
             # Resolved once: NOTE [ Spill directory security ].
             resolved = _checked_root(root)
             _warn_if_in_memory(root, resolved)
             self.removed_stale = _sweep_stale(resolved, prefix)
-            path = _make_private_dir(resolved, f"{prefix}{_rank_part()}{os.getpid()}-")
-        except OSError as e:
-            raise ConfigError(
-                f"tierstore: cannot create a spill directory under disk_path='{root}': {e}; {_HINT}"
-            ) from e
-        try:
-            lock_fd = self._take_lock(path)
-        except OSError as e:
-            shutil.rmtree(path, ignore_errors=True)
+            path, lock_fd = _make_private_dir(resolved, f"{prefix}{_rank_part()}{os.getpid()}-")
+        except BaseException as e:
+            _unmake_dirs(made)  # Ctrl-C too: NOTE [ Spill directory lifecycle ]
+            if not isinstance(e, OSError):
+                raise
             raise ConfigError(
                 f"tierstore: cannot create a spill directory under disk_path='{root}': {e}; {_HINT}"
             ) from e
         self._path = Path(path)
-        self._finalizer = weakref.finalize(self, _remove, path, lock_fd, os.getpid())
+        self._finalizer = weakref.finalize(self, _remove, path, lock_fd, os.getpid(), made)
 
     @staticmethod
     def _take_lock(path: str) -> int:
