@@ -38,6 +38,27 @@ Races the sweep has to survive:
   so the directory stays alive while either lives; only the creating process
   removes the directory at exit, a forked child just drops its copy of the fd.
 
+NOTE [ Spill directory on SIGTERM ]
+
+A scheduler ends a job with SIGTERM, and Python's default action for it
+kills the process at once: no ``close()``, no ``atexit``. A backend whose
+files need their names while the store is open (LMDB opens its environment
+by path) asks for its directory to go on SIGTERM too
+(:meth:`SpillDir.remove_on_sigterm`): on first use, from the main thread
+(the only one that may set a handler), tierstore chains a handler in front
+of the one in place. It removes every such directory, then hands the signal
+on: to the previous handler if it was a Python function (a trainer's own),
+else with the default action (the handler is reset and the signal sent
+again), so the exit status stays 143 (-15 to a parent). Where SIGTERM was
+ignored, nothing is installed. Removing a directory under an open LMDB
+environment unlinks its files, not the mapping: a handler of the user's that
+goes on training still can, and the kernel frees the bytes when the process
+ends. The handler goes back to the previous one as the last such directory
+is closed, if it is still tierstore's (a handler set since stays). SIGINT
+removes nothing: a caught ``KeyboardInterrupt`` trains on with the same
+store. SIGKILL runs nothing: the next store's sweep removes the directory.
+The ``file`` backend needs none of this (``NOTE [ File backend unlinked ]``).
+
 NOTE [ Spill directory security ]
 
 The threat is another local user who can write where ``root`` lives (``/tmp``,
@@ -96,11 +117,15 @@ import fcntl
 import os
 import secrets
 import shutil
+import signal
 import stat
 import sys
+import threading
 import warnings
 import weakref
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from tierstore.errors import ConfigError, TierstoreWarning
 
@@ -393,6 +418,47 @@ def _sweep_stale(root: Path, prefix: str) -> int:
         os.close(root_fd)
 
 
+# NOTE [ Spill directory on SIGTERM ]: the directories to remove, by id, and
+# the handler tierstore's replaced (None: none installed).
+_on_term: dict[int, SpillDir] = {}
+_term_previous: list[Any] = []
+
+
+def _removed_on_term(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM: remove the directories that asked, then hand the signal on."""
+    previous = _term_previous[0] if _term_previous else signal.SIG_DFL
+    for spill in list(_on_term.values()):
+        spill.close()  # the last one puts the previous handler back
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)  # the default action: exit status 143
+    os.kill(os.getpid(), signum)
+
+
+def _install_on_term() -> None:
+    """Chain :func:`_removed_on_term` in front of SIGTERM's handler, from the main thread."""
+    if _term_previous or threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_IGN:
+        return  # SIGTERM ends nothing: nothing to remove
+    signal.signal(signal.SIGTERM, _removed_on_term)
+    _term_previous.append(previous)
+
+
+def _uninstall_on_term() -> None:
+    """Put SIGTERM's previous handler back, if tierstore's is still in place."""
+    if _on_term or not _term_previous:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return  # stays chained; the next close on the main thread restores it
+    if signal.getsignal(signal.SIGTERM) is _removed_on_term:
+        previous = _term_previous[0]
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    _term_previous.clear()
+
+
 class SpillDir:
     """A private directory for one backend's files, removed when done with.
 
@@ -565,7 +631,31 @@ class SpillDir:
             >>> spill.close()
             >>> spill.close()
         """
+        _on_term.pop(id(self), None)
         self._finalizer()
+        _uninstall_on_term()
+
+    def remove_on_sigterm(self) -> None:
+        """Remove the directory on SIGTERM too: ``NOTE [ Spill directory on SIGTERM ]``.
+
+        The handler is installed from the main thread only; called from
+        another, the directory is removed by a handler installed since, or
+        not at all.
+
+        Example:
+            >>> import signal, tempfile
+            >>> from pathlib import Path
+            >>> from tierstore.backends._spill import SpillDir
+            >>> spill = SpillDir(Path(tempfile.mkdtemp()))
+            >>> spill.remove_on_sigterm()
+            >>> signal.getsignal(signal.SIGTERM).__name__
+            '_removed_on_term'
+            >>> spill.close(); signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+            True
+        """
+        if not self.closed:
+            _on_term[id(self)] = self
+            _install_on_term()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"

@@ -189,6 +189,9 @@ class LmdbBackend(Backend[bytes]):
                 "set disk_path (TIERSTORE_DISK_PATH) to a writable local directory"
             ) from e
         self._page_size: int = self._env.stat()["psize"]
+        # LMDB needs its files' names while open: NOTE [ Spill directory on SIGTERM ]
+        # in tierstore/backends/_spill.py.
+        self._spill.remove_on_sigterm()
 
     def _close_storage(self) -> None:
         self._env.close()
