@@ -196,9 +196,7 @@ def _killed_mid_step(root: Path, backend: str, sig: signal.Signals) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_a_killed_file_store_leaves_no_spilled_bytes(
-    tmp_path: Path, sig: signal.Signals
-) -> None:
+def test_a_killed_file_store_leaves_no_spilled_bytes(tmp_path: Path, sig: signal.Signals) -> None:
     _killed_mid_step(tmp_path, "file", sig)
     assert _spilled(tmp_path) == {}  # entries.bin had no name: the kernel freed it
     [left] = os.listdir(tmp_path)  # its private directory and .lock: a few bytes

@@ -618,7 +618,8 @@ def test_truncated_file_is_corrupt(backend: FileBackend) -> None:
     with pytest.raises(CorruptDataError) as info:
         read(backend, 2, [3 * ALIGN])
     assert str(info.value) == (
-        f"tierstore: entry 2 in the disk tier ({backend.directory / 'entries.bin'}) ends early: the file ends after "
+        f"tierstore: entry 2 in the disk tier ({backend.directory / 'entries.bin'}) ends early: "
+        "the file ends after "
         f"{ALIGN} of its {3 * ALIGN} bytes at offset {ALIGN}; "
         "the file was truncated outside tierstore"
     )
@@ -905,7 +906,8 @@ def test_direct_reads_stop_at_a_truncated_file(tmp_path: Path) -> None:
     with pytest.raises(CorruptDataError) as info:
         b.read_into(1, [memoryview(target)])
     assert str(info.value) == (
-        f"tierstore: entry 1 in the disk tier ({b.directory / 'entries.bin'}) ends early: the file ends after "
+        f"tierstore: entry 1 in the disk tier ({b.directory / 'entries.bin'}) ends early: "
+        "the file ends after "
         f"{3 * ALIGN} of its {8 * ALIGN} bytes at offset 0; "
         "the file was truncated outside tierstore"
     )
@@ -920,7 +922,8 @@ def test_truncated_inside_a_block_is_corrupt(backend: FileBackend) -> None:
     with pytest.raises(CorruptDataError) as info:
         read(backend, 2, [3 * ALIGN])
     assert str(info.value) == (
-        f"tierstore: entry 2 in the disk tier ({backend.directory / 'entries.bin'}) ends early: the file ends after "
+        f"tierstore: entry 2 in the disk tier ({backend.directory / 'entries.bin'}) ends early: "
+        "the file ends after "
         f"100 of its {3 * ALIGN} bytes at offset {ALIGN}; "
         "the file was truncated outside tierstore"
     )

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 __all__ = ["WeakKeyMap"]
 
@@ -57,6 +57,12 @@ class WeakKeyMap(Generic[V]):
             item = items.get(ref.ident)
             if item is not None and item[0] is ref:  # not a newer key at the same id
                 items.pop(ref.ident, None)
+
+    @overload
+    def get(self, key: Any) -> V | None: ...
+
+    @overload
+    def get(self, key: Any, default: V) -> V: ...
 
     def get(self, key: Any, default: V | None = None) -> V | None:
         """The value of ``key``, or ``default``."""
