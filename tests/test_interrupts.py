@@ -127,11 +127,15 @@ def _interrupt(tmp_path: Path, backend: str, budget: str, n: int, seed: int) -> 
                 _fail(proc, f"interrupt {i} of {n}: the script printed {got!r}")
         if _line(proc, 60) != "closed":
             _fail(proc, "close() did not return")
-        assert proc.wait(timeout=60) == 0
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.communicate()
+            proc.communicate()
+    assert proc.returncode == 0
+    # No interrupt dropped in a finalizer ("Exception ignored in ..."), and no
+    # planning process killed by one (its traceback goes to the same stderr).
+    assert "Exception ignored" not in err and "Traceback" not in err, err
     assert os.listdir(tmp_path) == []
 
 
