@@ -77,9 +77,13 @@ __all__ = ["Releases", "close_collected", "close_now", "close_when_collected", "
 # loses that one release (a leak), never does it twice (a corruption).
 # Locks are taken with `with`, never acquire() then try: in CPython an
 # interrupt can land between the two, and the lock stays held. A lock let
-# go around a wait is taken back by Releases.retake, which holds on to an
-# interrupt until it has the lock again. Store close() and the collection
-# of an unclosed store are the only places that stop threads.
+# go around a wait is taken back by retake(), which holds on to an
+# interrupt until it has the lock again. A store collected unclosed is
+# closed by the next store made or closed, or at exit (close_when_collected).
+# One window is CPython's own: threading.Condition.__enter__ is Python, so
+# an interrupt right after its acquire leaves that condition held; the
+# training thread enters a Future's condition only to queue a request (NOTE
+# [ Requests that an interrupt cannot split ] in tiers/movers.py) or wait.
 
 
 class _Release(weakref.ref):  # type: ignore[type-arg]
