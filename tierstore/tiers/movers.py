@@ -607,17 +607,22 @@ class Pipeline:
         before the write is queued: NOTE [ Requests that an interrupt cannot
         split ]).
         """
-        loop = self._running_loop()  # first: it may raise, and then nothing is queued
         if future is None:
             future = concurrent.futures.Future()
         clock, nbytes = self.write_clock, span.nbytes
+        loop: asyncio.AbstractEventLoop | None = None
         try:  # NOTE [ Requests that an interrupt cannot split ]: set up, then queued
+            loop = self._running_loop()  # it may raise: then nothing is queued
             if done is not None:
                 future.add_done_callback(done)
             future.add_done_callback(lambda _: clock.ended(nbytes))
             clock.started()
         finally:
-            _launch(loop, lambda: self._write(key, span, ready, alloc, headroom), future)
+            loop = loop if loop is not None else self._loop
+            if loop is not None and not loop.is_closed():
+                _launch(loop, lambda: self._write(key, span, ready, alloc, headroom), future)
+            else:  # no loop to run it: the caller's future ends all the same
+                future.cancel()
         return future
 
     def submit_read(
