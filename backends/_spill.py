@@ -11,6 +11,9 @@ live one, since liveness is the lock, not the name.
 
 The directory goes away on ``close()``, and at interpreter exit through a
 ``weakref.finalize`` (which runs from ``atexit``) for a store nobody closed.
+So do the directories the store made to reach ``root`` (``disk_path`` and
+its missing parents), deepest first, each only while it is empty: ranks
+share ``disk_path``, and the last one out removes it.
 
 A process killed with SIGKILL, or by the OOM killer, runs neither, so every
 new :class:`SpillDir` first sweeps ``root`` for directories left by dead
@@ -24,14 +27,37 @@ Races the sweep has to survive:
 * A directory still being set up has no ``.lock`` yet. The owner creates the
   lock file under a temporary name, locks it, and only then renames it to
   ``.lock``, so a ``.lock`` that can be locked always means a dead owner; a
-  directory without one is never touched. (A process killed inside that
-  window of a few system calls leaves a directory no sweep removes; that is
-  the price of never removing a live one.)
+  directory without one is never touched. An error or a Ctrl-C
+  (KeyboardInterrupt) anywhere between the ``mkdir`` and the rename removes
+  the directory again. (A process killed with SIGKILL inside that window of
+  a few system calls leaves a directory no sweep removes; that is the price
+  of never removing a live one.)
 * Two sweepers: the one that holds the lock removes the directory; the other
   fails to take the lock and moves on, or finds the directory already gone.
 * ``fork()``: a child shares the parent's lock (same open file description),
   so the directory stays alive while either lives; only the creating process
   removes the directory at exit, a forked child just drops its copy of the fd.
+
+NOTE [ Spill directory on SIGTERM ]
+
+A scheduler ends a job with SIGTERM, and Python's default action for it
+kills the process at once: no ``close()``, no ``atexit``. A backend whose
+files need their names while the store is open (LMDB opens its environment
+by path) asks for its directory to go on SIGTERM too
+(:meth:`SpillDir.remove_on_sigterm`): on first use, from the main thread
+(the only one that may set a handler), tierstore chains a handler in front
+of the one in place. It removes every such directory, then hands the signal
+on: to the previous handler if it was a Python function (a trainer's own),
+else with the default action (the handler is reset and the signal sent
+again), so the exit status stays 143 (-15 to a parent). Where SIGTERM was
+ignored, nothing is installed. Removing a directory under an open LMDB
+environment unlinks its files, not the mapping: a handler of the user's that
+goes on training still can, and the kernel frees the bytes when the process
+ends. The handler goes back to the previous one as the last such directory
+is closed, if it is still tierstore's (a handler set since stays). SIGINT
+removes nothing: a caught ``KeyboardInterrupt`` trains on with the same
+store. SIGKILL runs nothing: the next store's sweep removes the directory.
+The ``file`` backend needs none of this (``NOTE [ File backend unlinked ]``).
 
 NOTE [ Spill directory security ]
 
@@ -91,11 +117,15 @@ import fcntl
 import os
 import secrets
 import shutil
+import signal
 import stat
 import sys
+import threading
 import warnings
 import weakref
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from tierstore.errors import ConfigError, TierstoreWarning
 
@@ -178,7 +208,7 @@ def _rank_part() -> str:
     return ""
 
 
-def _remove(path: str, lock_fd: int, owner_pid: int) -> None:
+def _remove(path: str, lock_fd: int, owner_pid: int, made: tuple[str, ...] = ()) -> None:
     # Runs from close() or at interpreter exit; must never raise.
     try:
         if os.getpid() == owner_pid:
@@ -188,11 +218,16 @@ def _remove(path: str, lock_fd: int, owner_pid: int) -> None:
     finally:
         with contextlib.suppress(OSError):
             os.close(lock_fd)  # closing the last fd on the file releases the flock
+    if os.getpid() == owner_pid:
+        _unmake_dirs(made)
 
 
-def _make_dirs(root: Path) -> None:
-    # Path.mkdir(parents=True) gives the parents default permissions; every
-    # directory we create gets 0700 (the umask can only narrow it).
+def _make_dirs(root: Path) -> tuple[str, ...]:
+    """Create ``root`` and its missing parents, mode 0700; returns those it made, deepest first.
+
+    Path.mkdir(parents=True) gives the parents default permissions; every
+    directory made here gets 0700 (the umask can only narrow it).
+    """
     missing: list[Path] = []
     p = root
     while not os.path.lexists(p):
@@ -200,9 +235,24 @@ def _make_dirs(root: Path) -> None:
         if p.parent == p:
             break
         p = p.parent
+    made: list[str] = []
     for d in reversed(missing):
         with contextlib.suppress(FileExistsError):  # made by someone else meanwhile
             os.mkdir(d, 0o700)
+            made.append(str(d))
+    return tuple(reversed(made))
+
+
+def _unmake_dirs(made: tuple[str, ...]) -> None:
+    """Remove the directories :func:`_make_dirs` made, deepest first, while they are empty.
+
+    NOTE [ Spill directory lifecycle ]: other ranks' stores may share them.
+    """
+    for d in made:
+        try:
+            os.rmdir(d)  # only an empty directory: never another store's files
+        except OSError:
+            return  # in use, or gone: its parents hold it, or are not ours to judge
 
 
 def _random_name() -> str:
@@ -210,22 +260,45 @@ def _random_name() -> str:
     return secrets.token_hex(6)
 
 
-def _make_private_dir(root: Path, stem: str) -> str:
-    """``mkdir <root>/<stem><random>``, mode 0700; returns its path.
+def _make_private_dir(root: Path, stem: str) -> tuple[str, int]:
+    """``mkdir <root>/<stem><random>``, mode 0700, with its lock; returns its path and the lock.
 
     A name already taken is skipped, whatever is there (``NOTE [ Spill
     directory security ]``): mkdir never follows a symlink or reuses an entry.
+    Whatever stops it once the directory is made (an error, Ctrl-C) removes
+    the directory: none is left without its ``.lock`` (NOTE [ Spill
+    directory lifecycle ]).
     """
     for _ in range(_NAME_TRIES):
         path = os.path.join(root, stem + _random_name())
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:
-            continue
-        return path
+            continue  # someone else's: never touched
+        except BaseException:  # Ctrl-C as mkdir returned, say
+            _unmake_private_dir(path)
+            raise
+        try:
+            return path, SpillDir._take_lock(path)
+        except BaseException:
+            _unmake_private_dir(path)
+            raise
     raise FileExistsError(
         errno.EEXIST, f"{_NAME_TRIES} random names all taken", os.path.join(root, stem + "*")
     )
+
+
+def _unmake_private_dir(path: str) -> None:
+    """Remove a private directory whose setup failed: its lock files, then it.
+
+    The name is random and was free a moment ago, so what is there is ours;
+    rmdir removes only an empty directory all the same.
+    """
+    for name in (_LOCK_TMP_NAME, _LOCK_NAME):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(path, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 def _owner(uid: int) -> str:
@@ -345,6 +418,47 @@ def _sweep_stale(root: Path, prefix: str) -> int:
         os.close(root_fd)
 
 
+# NOTE [ Spill directory on SIGTERM ]: the directories to remove, by id, and
+# the handler tierstore's replaced (None: none installed).
+_on_term: dict[int, SpillDir] = {}
+_term_previous: list[Any] = []
+
+
+def _removed_on_term(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM: remove the directories that asked, then hand the signal on."""
+    previous = _term_previous[0] if _term_previous else signal.SIG_DFL
+    for spill in list(_on_term.values()):
+        spill.close()  # the last one puts the previous handler back
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)  # the default action: exit status 143
+    os.kill(os.getpid(), signum)
+
+
+def _install_on_term() -> None:
+    """Chain :func:`_removed_on_term` in front of SIGTERM's handler, from the main thread."""
+    if _term_previous or threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_IGN:
+        return  # SIGTERM ends nothing: nothing to remove
+    signal.signal(signal.SIGTERM, _removed_on_term)
+    _term_previous.append(previous)
+
+
+def _uninstall_on_term() -> None:
+    """Put SIGTERM's previous handler back, if tierstore's is still in place."""
+    if _on_term or not _term_previous:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return  # stays chained; the next close on the main thread restores it
+    if signal.getsignal(signal.SIGTERM) is _removed_on_term:
+        previous = _term_previous[0]
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    _term_previous.clear()
+
+
 class SpillDir:
     """A private directory for one backend's files, removed when done with.
 
@@ -393,26 +507,23 @@ class SpillDir:
 
     def __init__(self, root: Path, prefix: str = "tierstore-") -> None:
         root = Path(os.path.abspath(root))
+        made: tuple[str, ...] = ()
         try:
-            _make_dirs(root)
+            made = _make_dirs(root)
             # Resolved once: NOTE [ Spill directory security ].
             resolved = _checked_root(root)
             _warn_if_in_memory(root, resolved)
             self.removed_stale = _sweep_stale(resolved, prefix)
-            path = _make_private_dir(resolved, f"{prefix}{_rank_part()}{os.getpid()}-")
-        except OSError as e:
-            raise ConfigError(
-                f"tierstore: cannot create a spill directory under disk_path='{root}': {e}; {_HINT}"
-            ) from e
-        try:
-            lock_fd = self._take_lock(path)
-        except OSError as e:
-            shutil.rmtree(path, ignore_errors=True)
+            path, lock_fd = _make_private_dir(resolved, f"{prefix}{_rank_part()}{os.getpid()}-")
+        except BaseException as e:
+            _unmake_dirs(made)  # Ctrl-C too: NOTE [ Spill directory lifecycle ]
+            if not isinstance(e, OSError):
+                raise
             raise ConfigError(
                 f"tierstore: cannot create a spill directory under disk_path='{root}': {e}; {_HINT}"
             ) from e
         self._path = Path(path)
-        self._finalizer = weakref.finalize(self, _remove, path, lock_fd, os.getpid())
+        self._finalizer = weakref.finalize(self, _remove, path, lock_fd, os.getpid(), made)
 
     @staticmethod
     def _take_lock(path: str) -> int:
@@ -520,7 +631,31 @@ class SpillDir:
             >>> spill.close()
             >>> spill.close()
         """
+        _on_term.pop(id(self), None)
         self._finalizer()
+        _uninstall_on_term()
+
+    def remove_on_sigterm(self) -> None:
+        """Remove the directory on SIGTERM too: ``NOTE [ Spill directory on SIGTERM ]``.
+
+        The handler is installed from the main thread only; called from
+        another, the directory is removed by a handler installed since, or
+        not at all.
+
+        Example:
+            >>> import signal, tempfile
+            >>> from pathlib import Path
+            >>> from tierstore.backends._spill import SpillDir
+            >>> spill = SpillDir(Path(tempfile.mkdtemp()))
+            >>> spill.remove_on_sigterm()
+            >>> signal.getsignal(signal.SIGTERM).__name__
+            '_removed_on_term'
+            >>> spill.close(); signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+            True
+        """
+        if not self.closed:
+            _on_term[id(self)] = self
+            _install_on_term()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"

@@ -2,7 +2,8 @@
 
 NOTE [ File backend allocation ]
 
-All records live in one file, ``entries.bin``. A record takes a run of
+All records live in one file, ``entries.bin``, which has no name once the
+backend has opened it (``NOTE [ File backend unlinked ]``). A record takes a run of
 bytes starting on a multiple of :data:`ALIGN` and rounded up to one, so that
 ``O_DIRECT`` (``NOTE [ File backend O_DIRECT ]``) can write and read it in
 whole aligned blocks.
@@ -16,6 +17,22 @@ covers what has been handed out (``NOTE [ File backend growth ]``).
 I/O happens outside the lock: extents of live records never overlap, so two
 threads never touch the same bytes. The positional calls (``pwritev`` /
 ``preadv``) keep no file offset, so no seek races either.
+
+NOTE [ File backend unlinked ]
+
+The backend opens ``entries.bin`` (twice, with the ``O_DIRECT`` probe) and
+then unlinks it: from then on the file lives only through its descriptors,
+and the kernel frees its blocks when the last one closes, however the
+process ends (SIGKILL and the OOM killer included), and in a forked child
+only once both have let go. No spilled byte outlives the process. What is
+left after a kill is the private directory and its ``.lock``, a few bytes,
+which the next store under the same ``disk_path`` sweeps (``NOTE [ Spill
+directory lifecycle ]``). ``O_TMPFILE`` would make the file nameless from the
+start, but the ``O_DIRECT`` descriptor needs a second open of the same file:
+through ``/proc/self/fd`` that needs procfs, by name it needs the name.
+:attr:`FileBackend.path` names the file through its descriptor
+(``/proc/self/fd/N``), for whoever wants to look at it while it is open;
+errors name where it was made.
 
 NOTE [ File backend growth ]
 
@@ -86,6 +103,7 @@ import errno
 import os
 import threading
 import weakref
+from pathlib import Path
 from typing import ClassVar
 
 from tierstore.backends._aligned import (
@@ -229,12 +247,23 @@ class FileBackend(Backend[int]):
         self._fd_finalizer = weakref.finalize(self, os.close, fd)
         self._alloc = ExtentAllocator(self._capacity)
         self._direct_fd = self._open_direct()
+        os.unlink(self._path)  # NOTE [ File backend unlinked ]: opened both ways, no name
         with contextlib.suppress(OSError):  # the probe's block; growth covers it anyway
             os.ftruncate(fd, 0)  # the file holds nothing until the first record
         self._pool = AlignedBufferPool(_CHUNK, _MAX_BUFFERS)  # maps nothing until used
         self._pool_finalizer = weakref.finalize(self, self._pool.close)
         if self._direct_fd is not None:
             self._direct_finalizer = weakref.finalize(self, os.close, self._direct_fd)
+
+    @property
+    def path(self) -> Path:
+        """The data file, through its descriptor: ``NOTE [ File backend unlinked ]``.
+
+        ``/proc/self/fd/N`` (valid while the backend is open, in this
+        process); where there is no ``/proc``, the name it was made under.
+        """
+        proc = Path(f"/proc/self/fd/{self._fd}")
+        return proc if os.path.isdir("/proc/self/fd") else self._path
 
     @property
     def direct(self) -> bool:

@@ -189,6 +189,9 @@ class LmdbBackend(Backend[bytes]):
                 "set disk_path (TIERSTORE_DISK_PATH) to a writable local directory"
             ) from e
         self._page_size: int = self._env.stat()["psize"]
+        # LMDB needs its files' names while open: NOTE [ Spill directory on SIGTERM ]
+        # in tierstore/backends/_spill.py.
+        self._spill.remove_on_sigterm()
 
     def _close_storage(self) -> None:
         self._env.close()
@@ -196,13 +199,15 @@ class LmdbBackend(Backend[bytes]):
             self._joined.close()
 
     def _trim_buffers(self) -> int:
-        # The writes' buffer, unless a write holds it now: never wait for one.
-        if not self._write_lock.acquire(blocking=False):
+        # The writes' buffer, unless a write holds it now. `with`, not
+        # acquire(blocking=False) then try, where an interrupt in between would
+        # leave the lock held (NOTE [ Finalizers and interrupts ] in
+        # tierstore/tiers/release.py): at worst it waits for one write that
+        # began since the check.
+        if self._write_lock.locked():
             return 0
-        try:
+        with self._write_lock:
             return self._joined.trim() if self._joined is not None else 0
-        finally:
-            self._write_lock.release()
 
     def _footprint(self, nbytes: int) -> int:
         """An upper bound on the pages a record of ``nbytes`` takes.

@@ -465,11 +465,12 @@ def _disk_manager(tmp_path: Path, backend: str, disk_budget: str = "64MiB") -> T
 
 @pytest.mark.parametrize("backend", ["file", "lmdb"])
 def test_a_finalizer_deletes_no_record_itself(backend: str, tmp_path: Path) -> None:
-    """The thread that drops the last handle queues the delete; an I/O thread runs it.
+    """The thread that releases the last handle's entry queues the delete; an I/O thread runs it.
 
-    A finalizer runs on any thread, at any allocation, under the manager's lock
+    A release runs under the manager's lock, on whichever thread takes it next
     (NOTE [ Deletes on the I/O thread ]): the backend's delete, held here until
-    the test lets it go, must not run on the thread that dropped the handle.
+    the test lets it go, must not run on the thread that dropped the handle
+    and then took the lock.
     """
     mgr = _disk_manager(tmp_path, backend)
     handles = [mgr.put(torch.randn(4096))]
@@ -487,8 +488,13 @@ def test_a_finalizer_deletes_no_record_itself(backend: str, tmp_path: Path) -> N
         real_delete(key)
 
     disk.delete = held_delete  # type: ignore[method-assign]
-    dropper = threading.Thread(target=handles.clear, name="dropper", daemon=True)
-    dropper.start()  # the handle's finalizer runs on this thread
+
+    def drop() -> None:
+        handles.clear()  # queues the release (NOTE [ Deferred release ])
+        mgr.holds_entries()  # takes the lock: the release runs on this thread
+
+    dropper = threading.Thread(target=drop, name="dropper", daemon=True)
+    dropper.start()
     assert entered.wait(JOIN_TIMEOUT_S)
     names = [t.name for t in ran_on]
     go.set()

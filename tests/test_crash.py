@@ -69,8 +69,9 @@ _STEP = """
     print("done", flush=True)
     """
 
-# What a backend keeps in its spill directory, besides the lock.
-_FILES = {"file": ["entries.bin"], "lmdb": ["entries.lmdb/data.mdb", "entries.lmdb/lock.mdb"]}
+# What a backend keeps in its spill directory, besides the lock: the file
+# backend's entries.bin has no name once open (NOTE [ File backend unlinked ]).
+_FILES = {"file": [], "lmdb": ["entries.lmdb/data.mdb", "entries.lmdb/lock.mdb"]}
 
 
 def _spawn(disk_path: Path, backend: str) -> subprocess.Popen[str]:

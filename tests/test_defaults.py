@@ -31,8 +31,13 @@ IN_MEMORY = "a filesystem in memory"
 
 
 def _data_file(store: tierstore.TierStore) -> Path:
+    """The spill file, through its descriptor: it has no name once open.
+
+    NOTE [ File backend unlinked ] in backends/file.py.
+    """
     assert store.disk_directory is not None
-    return Path(store.disk_directory) / "entries.bin"
+    assert os.listdir(store.disk_directory) == [".lock"]
+    return _backend(store).path
 
 
 def _backend(store: tierstore.TierStore) -> FileBackend:

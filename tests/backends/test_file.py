@@ -365,7 +365,7 @@ def test_duplicate_key_is_refused_and_the_record_kept(backend: FileBackend) -> N
 def test_file_starts_empty_and_grows_within_the_aligned_budget(tmp_path: Path) -> None:
     b = FileBackend(tmp_path, 10_000)
     assert b.capacity_bytes == 2 * ALIGN
-    path = b.directory / "entries.bin"
+    path = b.path
     assert path.stat().st_size == b.file_bytes == 0  # nothing claimed before a record
     b.write(1, [b"x"])
     st_ = path.stat()
@@ -447,7 +447,7 @@ def test_growth_without_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     # The full step, then just the record: the disk's last bytes are tried too.
     assert calls == [(0, file_backend._MIN_GROWTH), (0, 2 * ALIGN)]
     assert (len(b), b.used_bytes, b.file_bytes) == (0, 0, 0)  # nothing stored
-    assert (b.directory / "entries.bin").stat().st_size == 0  # a partial fallocate given back
+    assert b.path.stat().st_size == 0  # a partial fallocate given back
     b.close()
     assert os.listdir(tmp_path) == []
 
@@ -507,7 +507,7 @@ def test_growth_is_geometric_and_capped_by_the_budget(
     ]
     with pytest.raises(TierFullError):
         b.write(99, [b"x"])
-    assert (b.directory / "entries.bin").stat().st_size == 25 * ALIGN  # never past the budget
+    assert b.path.stat().st_size == 25 * ALIGN  # never past the budget
     for key in range(25):
         b.delete(key)
     assert len(calls) == 4  # freed space is reused: the file never shrinks nor regrows
@@ -529,7 +529,7 @@ def test_growth_jumps_to_a_large_record(tmp_path: Path, monkeypatch: pytest.Monk
 def test_fallocate_reserves_real_blocks(tmp_path: Path) -> None:
     b = FileBackend(tmp_path, 4 * MiB)
     b.write(1, [b"x"])
-    st = (b.directory / "entries.bin").stat()
+    st = b.path.stat()
     assert st.st_size == 4 * MiB and st.st_blocks * 512 >= 4 * MiB
     b.close()
 
@@ -545,9 +545,9 @@ def test_growth_falls_back_to_ftruncate(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(file_backend, "_fallocate", unsupported)
     b = FileBackend(tmp_path, 64 * KiB)
     b.write(1, [b"sparse is fine"])
-    assert (b.directory / "entries.bin").stat().st_size == 16 * KiB
+    assert b.path.stat().st_size == 16 * KiB
     b.write(2, [bytes(20 * KiB)])
-    assert (b.directory / "entries.bin").stat().st_size == 32 * KiB
+    assert b.path.stat().st_size == 32 * KiB
     assert calls == [16 * KiB]  # asked once: the filesystem has no fallocate
     assert read(b, 1, [14]) == b"sparse is fine"
     b.close()
@@ -612,13 +612,14 @@ def test_length_mismatch_is_corrupt(backend: FileBackend) -> None:
 def test_truncated_file_is_corrupt(backend: FileBackend) -> None:
     backend.write(1, [bytes(ALIGN)])
     backend.write(2, [bytes(3 * ALIGN)])
-    path = backend.directory / "entries.bin"
+    path = backend.path
     os.truncate(path, 2 * ALIGN)
     assert read(backend, 1, [ALIGN]) == bytes(ALIGN)
     with pytest.raises(CorruptDataError) as info:
         read(backend, 2, [3 * ALIGN])
     assert str(info.value) == (
-        f"tierstore: entry 2 in the disk tier ({path}) ends early: the file ends after "
+        f"tierstore: entry 2 in the disk tier ({backend.directory / 'entries.bin'}) ends early: "
+        "the file ends after "
         f"{ALIGN} of its {3 * ALIGN} bytes at offset {ALIGN}; "
         "the file was truncated outside tierstore"
     )
@@ -825,7 +826,7 @@ def test_direct_padding_is_zeros_and_spares_the_neighbours(tmp_path: Path) -> No
     b.delete(1)
     b.write(3, [b"abc"])  # reuses the first block of 1, leaves its second alone
     b.write(4, [b"\xdd" * 10])  # takes 1's second block
-    with open(b.directory / "entries.bin", "rb") as f:
+    with open(b.path, "rb") as f:
         head = f.read(4 * ALIGN)
     assert head[:ALIGN] == b"abc" + bytes(ALIGN - 3)
     assert head[ALIGN : 2 * ALIGN] == b"\xdd" * 10 + bytes(ALIGN - 10)
@@ -899,13 +900,14 @@ def test_aligned_views_go_straight_to_the_device_and_only_the_rest_bounces(
 def test_direct_reads_stop_at_a_truncated_file(tmp_path: Path) -> None:
     b = direct_backend(tmp_path, 1 * MiB)
     b.write(1, [memoryview(mmap.mmap(-1, 8 * ALIGN))])
-    path = b.directory / "entries.bin"
+    path = b.path
     os.truncate(path, 3 * ALIGN)
     target = mmap.mmap(-1, 8 * ALIGN)
     with pytest.raises(CorruptDataError) as info:
         b.read_into(1, [memoryview(target)])
     assert str(info.value) == (
-        f"tierstore: entry 1 in the disk tier ({path}) ends early: the file ends after "
+        f"tierstore: entry 1 in the disk tier ({b.directory / 'entries.bin'}) ends early: "
+        "the file ends after "
         f"{3 * ALIGN} of its {8 * ALIGN} bytes at offset 0; "
         "the file was truncated outside tierstore"
     )
@@ -915,12 +917,13 @@ def test_direct_reads_stop_at_a_truncated_file(tmp_path: Path) -> None:
 def test_truncated_inside_a_block_is_corrupt(backend: FileBackend) -> None:
     backend.write(1, [bytes(ALIGN)])
     backend.write(2, [bytes(3 * ALIGN)])
-    path = backend.directory / "entries.bin"
+    path = backend.path
     os.truncate(path, ALIGN + 100)
     with pytest.raises(CorruptDataError) as info:
         read(backend, 2, [3 * ALIGN])
     assert str(info.value) == (
-        f"tierstore: entry 2 in the disk tier ({path}) ends early: the file ends after "
+        f"tierstore: entry 2 in the disk tier ({backend.directory / 'entries.bin'}) ends early: "
+        "the file ends after "
         f"100 of its {3 * ALIGN} bytes at offset {ALIGN}; "
         "the file was truncated outside tierstore"
     )

@@ -87,8 +87,34 @@ def test_spill_dir_is_private_locked_and_removed_on_close(tmp_path: Path, no_uma
     spill.close()
     assert spill.closed
     assert not spill.path.exists()
-    assert os.listdir(root) == []
+    assert os.listdir(tmp_path) == []  # a/ and a/b/, made for it, went with it
     spill.close()  # idempotent
+
+
+def test_directories_made_for_it_stay_while_another_store_uses_them(tmp_path: Path) -> None:
+    root = tmp_path / "made" / "spill"
+    first, second = SpillDir(root), SpillDir(root)  # two ranks sharing disk_path
+    first.close()
+    assert os.listdir(root) == [second.path.name]  # still in use: stays
+    second.close()
+    assert os.listdir(tmp_path) == ["made"]  # made by the first; the second found it there
+    (tmp_path / "kept").mkdir()
+    SpillDir(tmp_path / "kept").close()
+    assert sorted(os.listdir(tmp_path)) == ["kept", "made"]  # there before it: never removed
+
+
+def test_an_interrupt_while_a_spill_dir_is_set_up_leaves_no_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ctrl-C lands right after the lock file is made, before it is renamed
+    # to .lock: the directory would be one no sweep ever removes.
+    def interrupted(fd: int, operation: int) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_spill.fcntl, "flock", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        SpillDir(tmp_path / "root")
+    assert os.listdir(tmp_path) == []  # neither the spill directory nor the root made for it
 
 
 def test_open_file_does_not_follow_symlinks(tmp_path: Path) -> None:
@@ -119,7 +145,7 @@ def test_backend_files_are_private(tmp_path: Path, no_umask: None, cls: type[Bac
     modes = {str(p.relative_to(backend.directory)): _mode(p) for p in backend.directory.rglob("*")}
     assert _mode(backend.directory) == 0o700
     expected_files = {
-        "file": {".lock": 0o600, "entries.bin": 0o600},
+        "file": {".lock": 0o600},  # entries.bin, unlinked once open, is 0600 too
         "lmdb": {
             ".lock": 0o600,
             "entries.lmdb": 0o700,
@@ -128,6 +154,8 @@ def test_backend_files_are_private(tmp_path: Path, no_umask: None, cls: type[Bac
         },
     }[cls.name]
     assert modes == expected_files
+    if cls.name == "file":
+        assert os.stat(backend.path).st_mode & 0o777 == 0o600  # through its descriptor
     backend.close()
     assert not backend.directory.exists()
     assert os.listdir(tmp_path) == []
@@ -451,10 +479,10 @@ def test_backend_does_not_follow_a_symlink_planted_at_its_file(
     file_name = {"file": "entries.bin", "lmdb": "entries.lmdb"}[cls.name]
     make = _spill._make_private_dir
 
-    def make_and_plant(root: Path, stem: str) -> str:
-        path = make(root, stem)
+    def make_and_plant(root: Path, stem: str) -> tuple[str, int]:
+        path, lock_fd = make(root, stem)
         os.symlink(target, os.path.join(path, file_name))
-        return path
+        return path, lock_fd
 
     monkeypatch.setattr(_spill, "_make_private_dir", make_and_plant)
     _names(monkeypatch, "planted")

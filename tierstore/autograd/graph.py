@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -18,6 +17,7 @@ import torch
 
 from tierstore.autograd.recipes import GraphNode, Input, Recipe, Shared, Stored
 from tierstore.tiers.handle import Handle
+from tierstore.tiers.weak import WeakKeyMap
 
 __all__ = ["GRAPH_OPS", "GraphOp", "graph_op", "graph_recipe"]
 
@@ -144,9 +144,9 @@ GRAPH_OPS: dict[str, GraphOp] = {
 # profile) raises, on CUDA as a device-side assert (no synchronisation in
 # backward); a norm whose rstd is neither kept as it is nor stored (another
 # hook's) is not rebuilt from the graph.
-_NORM_EPS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], float]] = (
-    weakref.WeakKeyDictionary()
-)
+# Weak on the storage, with no Python run as it dies (NOTE [ Finalizers and
+# interrupts ] in tierstore/tiers/release.py).
+_NORM_EPS: WeakKeyMap[dict[tuple[Any, ...], float]] = WeakKeyMap()
 _NORM_EPS_LOCK = threading.Lock()
 LAYER_NORM = torch.ops.aten.native_layer_norm.default
 

@@ -26,6 +26,7 @@ import torch
 
 from tierstore.errors import TierstoreError, modified_in_place
 from tierstore.tiers.handle import Saved
+from tierstore.tiers.weak import WeakKeyMap
 
 __all__ = ["Recipe", "shared_fetch"]
 
@@ -317,7 +318,9 @@ Layouts = tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]
 # is strong and refers to the handle weakly, so the entry (and a read it
 # caches) lives exactly as long as the handle: as long as autograd or a node
 # holds it, and no longer.
-_stored: weakref.WeakKeyDictionary[Any, Stored] = weakref.WeakKeyDictionary()
+# Its keys die with no Python run: NOTE [ Finalizers and interrupts ] in
+# tierstore/tiers/release.py.
+_stored: WeakKeyMap[Stored] = WeakKeyMap()
 _stored_lock = threading.Lock()
 
 

@@ -31,6 +31,7 @@ from tierstore.autograd.recompute import (
     never_recorded,
     never_traced,
 )
+from tierstore.tiers.weak import WeakKeyMap
 
 __all__ = ["Recorder"]
 
@@ -77,13 +78,11 @@ class Recorder(TorchDispatchMode):
         self.paused = 0
         self._ctx = SelectiveCheckpointContext(is_recompute=False)
         # storage -> {view key: (version, ...)}; weak on the storage, so an
-        # entry dies with its memory and a reused address never matches.
-        self._packed: weakref.WeakKeyDictionary[Any, dict[Any, tuple[int, Any, Any, int]]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._origins: weakref.WeakKeyDictionary[Any, dict[Any, tuple[int, Origin, Any]]] = (
-            weakref.WeakKeyDictionary()
-        )
+        # entry dies with its memory and a reused address never matches; with
+        # no Python run as it dies (NOTE [ Finalizers and interrupts ] in
+        # tierstore/tiers/release.py).
+        self._packed: WeakKeyMap[dict[Any, tuple[int, Any, Any, int]]] = WeakKeyMap()
+        self._origins: WeakKeyMap[dict[Any, tuple[int, Origin, Any]]] = WeakKeyMap()
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:

@@ -100,8 +100,9 @@ class LmdbWriteSummary:
     ``shares``: each step's median over the median write time (free is not
     part of the write). ``warm_copy_gbps`` / ``new_memory_copy_gbps``: the
     two reference copies of the same bytes. ``put_beyond_copy_s``: the
-    median of ``put`` minus ``join`` per pass: what ``put`` spends beyond
-    copying the bytes (allocating and faulting in memory, finding pages).
+    median of ``put`` minus ``join`` per pass, 0 where ``put`` was timed
+    below ``join``: what ``put`` spends beyond copying the bytes (allocating
+    and faulting in memory, finding pages).
 
     Example:
         >>> s = summarize([LmdbWritePass({k: 0.1 for k in STEPS}, 0.4, 0.2, 0.1, 10**9)])
@@ -144,7 +145,8 @@ def summarize(passes: Sequence[LmdbWritePass]) -> LmdbWriteSummary:
         read_gbps=Spread.of([nbytes / p.read_s / 1e9 for p in passes if p.read_s > 0] or [0.0]),
         warm_copy_gbps=Spread.of([nbytes / p.steps["join"] / 1e9 for p in passes]),
         new_memory_copy_gbps=Spread.of([nbytes / p.new_memory_copy_s / 1e9 for p in passes]),
-        put_beyond_copy_s=Spread.of([p.steps["put"] - p.steps["join"] for p in passes]),
+        # A duration: a put timed below its copy (noise, a warm page cache) is 0, not negative.
+        put_beyond_copy_s=Spread.of([max(0.0, p.steps["put"] - p.steps["join"]) for p in passes]),
         shares={k: steps[k].median / write_s.median for k in STEPS if k != "free"},
         map_file_bytes=max(p.map_file_bytes for p in passes),
     )

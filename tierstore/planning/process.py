@@ -25,12 +25,26 @@ import os
 import subprocess
 import sys
 import threading
-import weakref
 from typing import Any
 
 from tierstore.planning.planner import Plan, Profile
 
 __all__ = ["WORKER", "PlanningProcess"]
+
+# NOTE [ The planning process's life ]
+# The planning process runs in a session of its own (start_new_session):
+# Ctrl-C in a terminal signals the terminal's foreground process group, and
+# the training process alone must get it, as a KeyboardInterrupt it may
+# catch; a worker in the same group would die with a traceback, and the
+# plan in flight with it. The worker reads requests from its stdin until it
+# closes, so it ends when its parent does, however the parent ends (the
+# kernel closes the pipe even after a SIGKILL). close() ends it at once.
+# No finalizer ends it (NOTE [ Finalizers and interrupts ] in
+# tierstore/tiers/release.py): a PlanningProcess collected unclosed drops
+# its pipes, and the worker sees the end of its input. An exchange cut
+# short by an interrupt on the thread that waits for it ends the process,
+# so that its late answer is never read as the next request's: the next
+# plan starts another.
 
 #: The planning process's program, run by its path (``python -I WORKER``):
 #: the planner module beside it alone, without the package's ``__init__``
@@ -70,7 +84,6 @@ class PlanningProcess:
 
     def __init__(self) -> None:
         self._process: subprocess.Popen[bytes] | None = None
-        self._ender: weakref.finalize[Any, Any] | None = None  # ends it, closed or collected
         self._lock = threading.Lock()
         self._closed = False
 
@@ -91,15 +104,9 @@ class PlanningProcess:
         """The process, started where none runs (under the lock)."""
         process = self._process
         if process is None or process.poll() is not None:
-            if self._ender is not None:
-                self._ender()  # one that ended: its pipes, before another's
-            process = self._process = subprocess.Popen(
-                [sys.executable, "-I", WORKER],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                close_fds=True,
-            )
-            self._ender = weakref.finalize(self, _end, process)
+            if process is not None:
+                _end(process)  # one that ended: its pipes, before another's
+            process = self._process = _start()
         return process
 
     def plan(self, profile: Profile, budget: int) -> Plan:
@@ -112,9 +119,16 @@ class PlanningProcess:
             fields = _fields(profile, _HOOKS_ONLY)  # not the hooks layer's
             fields["saves"] = [_fields(save) for save in profile.saves]
             request = {"profile": fields, "budget": budget}
-            process.stdin.write(json.dumps(request).encode() + b"\n")
-            process.stdin.flush()
-            line = process.stdout.readline()
+            try:
+                process.stdin.write(json.dumps(request).encode() + b"\n")
+                process.stdin.flush()
+                line = process.stdout.readline()
+            except BaseException:
+                # Ctrl-C mid-exchange: its answer would be read as the next
+                # request's. NOTE [ The planning process's life ].
+                self._process = None
+                _end(process)
+                raise
             if not line:
                 raise RuntimeError("tierstore: the planning process ended without a plan")
             made = json.loads(line)
@@ -132,9 +146,20 @@ class PlanningProcess:
     def close(self) -> None:
         """End the process. Idempotent."""
         self._closed = True
-        self._process = None
-        if self._ender is not None:
-            self._ender()
+        process, self._process = self._process, None
+        if process is not None:
+            _end(process)
+
+
+def _start() -> subprocess.Popen[bytes]:
+    """A planning process: NOTE [ The planning process's life ]."""
+    return subprocess.Popen(
+        [sys.executable, "-I", WORKER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        close_fds=True,
+        start_new_session=True,
+    )
 
 
 def _end(process: subprocess.Popen[bytes]) -> None:

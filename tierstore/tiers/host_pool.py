@@ -43,8 +43,10 @@ its own, the heap would hold a second copy of the activations' footprint.
 the block back when the last tensor viewing it is freed: autograd dropping
 an unpacked saved tensor returns its memory to the pool, not to the heap.
 That return can happen on any thread at any moment (a garbage collection
-inside :meth:`HostPool.take`, say), so it only queues the block; whoever
-next holds the pool's lock puts it back.
+inside :meth:`HostPool.take`, say), so it only queues the block, and it
+queues it without running Python: the window's weak reference has the
+queue's ``deque.append`` as its callback (NOTE [ Finalizers and interrupts ]
+in tierstore/tiers/release.py). Whoever next holds the pool's lock puts it back.
 
 Unpinned chunks are private anonymous ``mmap`` memory (``PRIVATE`` in
 ``backends/_aligned.py`` says why not shared): only pages written to are resident,
@@ -68,6 +70,7 @@ import mmap
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -286,17 +289,15 @@ class _Chunk:
         return True
 
 
-class _Lease:
-    """Gives its block back when the storage holding it is freed (NOTE [ Leased buffers ])."""
+class _Lease(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a leased window that carries its block (NOTE [ Leased buffers ]).
 
-    __slots__ = ("block", "pool")
+    Its callback is the pool's ``deque.append``: when the window dies, the C
+    runtime queues this reference, and no Python code runs there.
+    """
 
-    def __init__(self, pool: HostPool, block: HostBlock) -> None:
-        self.pool = pool
-        self.block = block
-
-    def __del__(self) -> None:
-        self.pool._returned(self.block)
+    __slots__ = ("block",)
+    block: HostBlock
 
 
 class HostPool:
@@ -339,7 +340,10 @@ class HostPool:
         self._outside = 0
         self._lock = threading.Lock()
         self._closed = False
-        self._returns: deque[HostBlock] = deque()  # leases freed, not yet put back
+        # Leases out, by id, and the leases whose windows died, not yet put back:
+        # NOTE [ Leased buffers ].
+        self._leases: dict[int, _Lease] = {}
+        self._returns: deque[_Lease] = deque()
 
     @property
     def pinned(self) -> bool:
@@ -448,24 +452,20 @@ class HostPool:
             return None
         window = (ctypes.c_char * nbytes).from_address(block.tensor.data_ptr())
         # frombuffer keeps `window` until the storage dies; `window` keeps the
-        # lease, whose block keeps the chunk's memory valid even after close().
-        window._lease = _Lease(self, block)  # type: ignore[attr-defined]
+        # block's tensor, whose memory stays valid even after close().
+        window._block = block.tensor  # type: ignore[attr-defined]
+        lease = _Lease(window, self._returns.append)
+        lease.block = block
+        self._leases[id(lease)] = lease
         return torch.frombuffer(window, dtype=torch.uint8)
 
-    def _returned(self, block: HostBlock) -> None:
-        # Any thread, any moment (NOTE [ Leased buffers ]): queue, then put
-        # back only if the lock is free; its holder drains the queue otherwise.
-        self._returns.append(block)
-        if self._lock.acquire(blocking=False):
-            try:
-                self._put_back()
-            finally:
-                self._lock.release()
-
     def _put_back(self) -> None:
-        # Caller holds the lock.
+        # Caller holds the lock. Each lease leaves the queue before its block
+        # is freed: an interrupt in between loses the block, never frees it twice.
         while self._returns:
-            self._free(self._returns.popleft())
+            lease = self._returns.popleft()
+            del self._leases[id(lease)]
+            self._free(lease.block)
 
     def _free(self, block: HostBlock) -> None:
         if self._closed:
@@ -506,4 +506,5 @@ class HostPool:
             self._closed = True
             self._chunks.clear()
             self._returns.clear()
+            self._leases.clear()
             self._used = 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -57,7 +58,7 @@ from tierstore.tiers.limits import Limits, Measures
 from tierstore.tiers.movers import LinkClock, Pipeline
 from tierstore.tiers.placement import TierPlacement
 from tierstore.tiers.readahead import ReadAhead
-from tierstore.tiers.release import Releases
+from tierstore.tiers.release import Releases, close_collected, close_now, close_when_collected
 from tierstore.tiers.schedule import Schedule
 from tierstore.tiers.transfers import Transfers
 from tierstore.tiers.writebehind import WriteBehind
@@ -174,7 +175,11 @@ class TierManager:
         self._transfers = Transfers(config, links)
         # Stops the I/O threads and frees host memory even if the store is
         # dropped without close().
-        self._finalizer = weakref.finalize(self, _close_movers, self._pipeline, self._transfers)
+        # NOTE [ Finalizers and interrupts ] in tiers/release.py: queued, not run, when collected.
+        close_collected()
+        self._finalizer = close_when_collected(
+            self, functools.partial(_close_movers, self._pipeline, self._transfers)
+        )
         self._schedule = Schedule()
         self._reads = ReadAhead(
             config,
@@ -307,32 +312,49 @@ class TierManager:
                 self._counts.tallied(entry.tier, 0)
                 return self._releases.handle(entry, t)
             entry = Entry(next(self._keys), t.detach(), size)
-            stayed = self._counts.stayed_now()[1]
-            if stayed:  # NOTE [ Saves that stay ]: the device tier holds the rest
-                self._tiers["device"].budget = max(0, int(self.config.device_budget) - stayed)
-            if copies_over:  # NOTE [ Copies in flight ] in tiers/inflight.py
-                self._placing.hold(entry, "device")
-            else:
-                self._placing.land(entry, 0 if tier is None else TIERS.index(tier))
-            self._counts.tallied(entry.tier, size)
-            self._entries[entry.key] = entry
-            self._schedule.packed(entry.key, (dedupe_key[2], t.dtype))
-            with contextlib.suppress(TypeError):  # storages that refuse weak references
-                self._dedupe.keys[dedupe_key] = (weakref.ref(storage), entry.key)
-                entry.dedupe_key = dedupe_key
-            # Writes in flight (WriteBehind is true while any is) and none may
-            # queue: this save waits for its own (NOTE [ Write staging ]).
-            if self._writes and self._writes.synchronous:
-                try:
-                    self._writes.finish(self._releases.unlocked)
-                except BaseException:  # Ctrl-C in the wait, say: no handle will release it
-                    self._releases.release_locked(entry.key)
-                    raise
-            if self.limits is not None:
-                self._note_resident()
-                if entry.tier != "device":
-                    self._flight.let_go(size, entry.device)
-            return self._releases.handle(entry, t)
+            try:
+                return self._place(
+                    entry, t, tier, copies_over=copies_over, dedupe_key=dedupe_key, storage=storage
+                )
+            except BaseException:  # Ctrl-C, say: no handle will release it (NOTE [ Finalizers
+                self._entries.setdefault(entry.key, entry)  # and interrupts ] in release.py)
+                self._releases.release_locked(entry.key)
+                raise
+
+    def _place(
+        self,
+        entry: Entry,
+        t: torch.Tensor,
+        tier: Tier | None,
+        *,
+        copies_over: bool,
+        dedupe_key: tuple[object, ...],
+        storage: Any,
+    ) -> Handle:
+        """The rest of :meth:`put`, under the lock: ``entry`` placed, registered, handed out."""
+        size = entry.nbytes
+        stayed = self._counts.stayed_now()[1]
+        if stayed:  # NOTE [ Saves that stay ]: the device tier holds the rest
+            self._tiers["device"].budget = max(0, int(self.config.device_budget) - stayed)
+        if copies_over:  # NOTE [ Copies in flight ] in tiers/inflight.py
+            self._placing.hold(entry, "device")
+        else:
+            self._placing.land(entry, 0 if tier is None else TIERS.index(tier))
+        self._counts.tallied(entry.tier, size)
+        self._entries[entry.key] = entry
+        self._schedule.packed(entry.key, (dedupe_key[2], t.dtype))
+        with contextlib.suppress(TypeError):  # storages that refuse weak references
+            self._dedupe.keys[dedupe_key] = (weakref.ref(storage), entry.key)
+            entry.dedupe_key = dedupe_key
+        # Writes in flight (WriteBehind is true while any is) and none may
+        # queue: this save waits for its own (NOTE [ Write staging ]).
+        if self._writes and self._writes.synchronous:
+            self._writes.finish(self._releases.unlocked)  # put() lets go if this raises
+        if self.limits is not None:
+            self._note_resident()
+            if entry.tier != "device":
+                self._flight.let_go(size, entry.device)
+        return self._releases.handle(entry, t)
 
     # -- activation_budget (NOTE [ Planned steps ] in planning/runner.py) ---------------------
 
@@ -575,7 +597,8 @@ class TierManager:
         with self._releases.lock:
             self._releases.drop_all()
             final = self._figures.snapshot(self._packed, self._dedupe.hits)
-        self._finalizer()
+        close_now(self._finalizer)
+        close_collected()
         with self._releases.lock:  # the pools are gone with the movers: nothing is held now
             self._final = dataclasses.replace(final, host_pool_bytes=0, buffer_bytes_in_use=0)
 

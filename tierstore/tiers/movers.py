@@ -101,10 +101,9 @@ _LIVENESS_S = 0.25
 # nobody computes.
 
 # NOTE [ Deletes on the I/O thread ]
-# A record is deleted when its entry is released, and a release can run in a
-# Handle's finalizer: on any thread, at any allocation, under the tier
-# manager's lock, perhaps while that thread holds a backend lock itself (an
-# I/O worker allocating inside a write). A delete may be I/O (an LMDB write
+# A record is deleted when its entry is released, and a release runs under
+# the tier manager's lock, on whichever thread takes it next (NOTE [ Deferred
+# release ] in tiers/release.py). A delete may be I/O (an LMDB write
 # transaction, which waits for the writer), so delete() only queues it on the
 # loop thread and returns: the caller's lock guards bookkeeping, never a disk.
 # The backend's capacity is the disk_budget the manager checks, and the
@@ -112,6 +111,55 @@ _LIVENESS_S = 0.25
 # after a delete waits for that delete before it claims room in the backend,
 # and settle_deletes() lets stats() show what backward freed. close() drops
 # deletes still queued: the backend and its files go anyway.
+
+
+# NOTE [ Requests that an interrupt cannot split ]
+# The training thread hands the I/O thread its writes, reads and deletes,
+# and Ctrl-C can stop it at any bytecode of that hand-off: with the request
+# queued on the loop but its future never returned, a write would land that
+# no one harvests (its host block and entry held for good), a delete could
+# be lost (the backend's room with it). So a request's future is made, and
+# its callbacks attached, before the request is queued; a caller may hold
+# the future before the request exists (submit_write's `future`), and then
+# queues it in a `finally`. A request runs once, claimed on the loop from a
+# one-item list kept on its future (list.pop is atomic): if an interrupt
+# lands while it is being queued and the loop has not claimed it, it is
+# queued again (a second start finds nothing to claim) before the interrupt
+# goes on. So a request that was asked for runs, and its future ends: the
+# interrupt reaches the user, and the store's books stay whole.
+
+
+def _launch(
+    loop: asyncio.AbstractEventLoop,
+    make: Callable[[], Any],
+    future: concurrent.futures.Future[Any],
+) -> None:
+    """Run the coroutine ``make()`` on ``loop`` once per ``future``, its outcome in ``future``.
+
+    NOTE [ Requests that an interrupt cannot split ]: called again for the
+    same ``future``, it runs nothing more.
+    """
+    claim: list[bool] = future.__dict__.setdefault("_tierstore_claim", [True])
+
+    def start() -> None:
+        try:
+            claim.pop()
+        except IndexError:
+            return  # queued twice: the first start ran it
+        try:
+            task = loop.create_task(make())
+        except BaseException as exc:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(exc)
+            raise
+        asyncio.futures._chain_future(task, future)  # type: ignore[attr-defined]
+
+    try:
+        loop.call_soon_threadsafe(start)
+    except BaseException:
+        if claim and not loop.is_closed():
+            loop.call_soon_threadsafe(start)
+        raise
 
 
 class LinkClock:
@@ -545,6 +593,7 @@ class Pipeline:
         alloc: codec.Alloc | None = None,
         *,
         headroom: bool = False,
+        future: concurrent.futures.Future[Record] | None = None,
     ) -> concurrent.futures.Future[Record]:
         """Encode ``span`` and write it under ``key`` in the background.
 
@@ -554,15 +603,26 @@ class Pipeline:
         ``alloc``: where compression's scratch goes (the heap if ``None``).
         ``headroom``: ``span`` has :data:`~tierstore.codec.HEADROOM` bytes of
         tierstore's own in front of it (NOTE [ Records in one buffer ]).
+        ``future``: the one to return, made by the caller (who may keep it
+        before the write is queued: NOTE [ Requests that an interrupt cannot
+        split ]).
         """
-        loop = self._running_loop()  # first: it may raise, and then no coroutine is made
-        write = self._write(key, span, ready, alloc, headroom)
+        if future is None:
+            future = concurrent.futures.Future()
         clock, nbytes = self.write_clock, span.nbytes
-        clock.started()
-        future = asyncio.run_coroutine_threadsafe(write, loop)
-        future.add_done_callback(lambda _: clock.ended(nbytes))
-        if done is not None:
-            future.add_done_callback(done)
+        loop: asyncio.AbstractEventLoop | None = None
+        try:  # NOTE [ Requests that an interrupt cannot split ]: set up, then queued
+            loop = self._running_loop()  # it may raise: then nothing is queued
+            if done is not None:
+                future.add_done_callback(done)
+            future.add_done_callback(lambda _: clock.ended(nbytes))
+            clock.started()
+        finally:
+            loop = loop if loop is not None else self._loop
+            if loop is not None and not loop.is_closed():
+                _launch(loop, lambda: self._write(key, span, ready, alloc, headroom), future)
+            else:  # no loop to run it: the caller's future ends all the same
+                future.cancel()
         return future
 
     def submit_read(
@@ -577,11 +637,12 @@ class Pipeline:
         starts when the write ends. ``alloc(nbytes)`` gives the memory it
         lands in (the heap if ``None``).
         """
-        loop = self._running_loop()  # first: it may raise, and then no coroutine is made
+        loop = self._running_loop()  # first: it may raise, and then nothing is queued
         clock = self.read_clock
-        clock.started()
-        future = asyncio.run_coroutine_threadsafe(self._read(key, record, alloc), loop)
+        future: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
         future.add_done_callback(lambda f: clock.ended(_landed_bytes(f)))
+        clock.started()
+        _launch(loop, lambda: self._read(key, record, alloc), future)
         return future
 
     def delete(self, key: int) -> None:
@@ -594,12 +655,13 @@ class Pipeline:
         loop = self._loop
         if loop is None or self._closed or loop.is_closed():
             return  # nothing was written, or close() removes every record
-        try:
-            future = asyncio.run_coroutine_threadsafe(self._delete(key), loop)
-        except RuntimeError:  # the loop closed since the check: so did the backend
-            return
-        self._deleting[key] = future
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
         future.add_done_callback(lambda _: self._deleting.pop(key, None))
+        self._deleting[key] = future
+        try:
+            _launch(loop, lambda: self._delete(key), future)
+        except RuntimeError:  # the loop closed since the check: so did the backend
+            self._deleting.pop(key, None)
 
     @property
     def deleting(self) -> bool:

@@ -87,6 +87,17 @@ _START_BYTES = 16 << 20
 _MIN_BYTES = 4 << 20
 
 
+class _Held(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a tensor handed to backward, carrying its bytes.
+
+    Its callback is ``deque.append``: NOTE [ Finalizers and interrupts ] in
+    tiers/release.py.
+    """
+
+    __slots__ = ("nbytes",)
+    nbytes: int
+
+
 class ReadAhead:
     """The prefetch window: reads and copies ahead of backward, and its hit counters.
 
@@ -131,10 +142,12 @@ class ReadAhead:
         self.unpack_wait_s = 0.0
         # Bytes of tensors handed to backward and still alive (NOTE [ Prefetch ]).
         # They die on any thread, at any moment (a garbage collection under the
-        # manager's lock, say), so a death only queues its bytes: appending to
-        # a deque takes no lock. The next top-up settles them.
+        # manager's lock, say), so a death only queues its bytes, with no
+        # Python run and no lock taken (NOTE [ Finalizers and interrupts ] in
+        # tiers/release.py). The next top-up settles them.
         self.held_bytes = 0
-        self._freed: deque[int] = deque()
+        self._freed: deque[_Held] = deque()
+        self._held: dict[int, _Held] = {}  # the references alive, by id
 
     # -- the window ----------------------------------------------------------------
 
@@ -178,13 +191,18 @@ class ReadAhead:
 
     def _until_freed(self, tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
         # Bytes already counted in held_bytes come off when the tensor dies.
-        weakref.finalize(tensor, self._freed.append, nbytes).atexit = False
+        ref = _Held(tensor, self._freed.append)
+        ref.nbytes = nbytes
+        self._held[id(ref)] = ref
         return tensor
 
     def outstanding_bytes(self) -> int:
         """What the window's limit bounds: reads ahead plus tensors still held."""
-        while self._freed:
-            self.held_bytes -= self._freed.popleft()
+        freed = self._freed
+        while freed:
+            ref = freed.popleft()
+            del self._held[id(ref)]
+            self.held_bytes -= ref.nbytes
         return self.window_bytes + self.held_bytes
 
     def top_up(self) -> None:
@@ -407,6 +425,8 @@ class ReadAhead:
         self._opening.clear()
         self._demand.clear()
         self.window_bytes = 0
+        self._held.clear()
+        self._freed.clear()
 
 
 def _result(future: concurrent.futures.Future[torch.Tensor]) -> torch.Tensor:

@@ -28,6 +28,7 @@ from tierstore.tiers.sizing import InFlightLimit
 from tierstore.tiers.transfers import Transfers
 
 if TYPE_CHECKING:
+    from tierstore import codec
     from tierstore.tiers.movers import Pipeline, Record
 
 __all__ = ["WriteBehind"]
@@ -147,21 +148,37 @@ class WriteBehind:
     def submit(self, entry: Entry) -> None:
         """Queue ``entry``'s bytes (``entry.tensor``, reserved on disk already) for writing."""
         assert self._pipeline is not None and entry.tensor is not None
+        # Held before the write is queued, and queued whatever stops this call:
+        # NOTE [ Requests that an interrupt cannot split ] in tiers/movers.py.
+        # The three assignments run no bytecode an interrupt lands at.
+        future: concurrent.futures.Future[Record] = concurrent.futures.Future()
+        entry.writing = future
         self._writing[entry.key] = entry
         self.queued_bytes += entry.nbytes
+        done: Callable[[concurrent.futures.Future[Record]], None] | None = None
+        scratch: codec.Alloc | None = None
+        try:
 
-        def written(future: concurrent.futures.Future[Record]) -> None:
-            # On the I/O thread, without the lock: assignments only.
-            if not future.cancelled() and future.exception() is None:
-                entry.record = future.result()
-                entry.let_go_of_original()
-                entry.tensor = None  # the memory goes now, not at the next call
+            def written(future: concurrent.futures.Future[Record]) -> None:
+                # On the I/O thread, without the lock: assignments only.
+                if not future.cancelled() and future.exception() is None:
+                    entry.record = future.result()
+                    entry.let_go_of_original()
+                    entry.tensor = None  # the memory goes now, not at the next call
 
-        assert self._transfers is not None
-        scratch = self._transfers.allocator(entry.tensor.device)  # compression's, on a CPU
-        entry.writing = self._pipeline.submit_write(
-            entry.key, entry.tensor, written, entry.ready, scratch, headroom=entry.staged
-        )
+            done = written
+            assert self._transfers is not None
+            scratch = self._transfers.allocator(entry.tensor.device)  # compression's, on a CPU
+        finally:
+            self._pipeline.submit_write(
+                entry.key,
+                entry.tensor,
+                done,
+                entry.ready,
+                scratch,
+                headroom=entry.staged,
+                future=future,
+            )
 
     def futures(self, *, dead_only: bool = False) -> list[concurrent.futures.Future[Record]]:
         """Writes under way (of released entries only, with ``dead_only``)."""
