@@ -20,7 +20,7 @@ import tierstore
 from tierstore.models import GPT, GPTConfig
 from tierstore.planning.room import ROOM_STEPS, Room
 from tierstore.planning.runner import PlanRunner
-from tierstore.tiers.memory import MemoryReading
+from tierstore.tiers.memory import CudaMemory, MemoryReading
 
 CONFIG = GPTConfig(vocab=64, d_model=64, heads=4, layers=3, seq=32, dropout=0.1)
 GiB = 1 << 30
@@ -160,6 +160,75 @@ def test_the_budget_follows_a_capacity_that_shrinks_between_steps(
     assert plan.predicted_peak_bytes <= saved // 2
     assert store.stats().tiers["disk"].bytes_written > 0
     assert "plan remade for activation_budget='auto' (" in caplog.text
+
+
+class FakeCuda:
+    """The figures ``torch.cuda`` reports, for CudaMemory: a device with no GPU behind it.
+
+    ``free`` is the driver's free memory; the process holds ``reserved``
+    (``allocated`` of it in use) and may use ``fraction`` of ``total``
+    (``set_per_process_memory_fraction``).
+    """
+
+    def __init__(self, total: int, free: int, fraction: float = 1.0) -> None:
+        self.total, self.free, self.fraction = total, free, fraction
+        self.reserved = self.allocated = 0
+
+    def mem_get_info(self, device: int) -> tuple[int, int]:
+        return self.free, self.total
+
+    def memory_reserved(self, device: int) -> int:
+        return self.reserved
+
+    def memory_allocated(self, device: int) -> int:
+        return self.allocated
+
+    def get_per_process_memory_fraction(self, device: int) -> float:
+        return self.fraction
+
+
+def test_auto_on_cuda_follows_a_device_capacity_that_shrinks_between_steps(
+    auto_store: Any,
+) -> None:
+    """The CUDA probe's figures, faked: the budget follows the driver's free memory, capped.
+
+    The saves are CPU tensors (no GPU here); the room is read as a GPU's:
+    free + reserved, within the process's fraction of the total, less what
+    is allocated and the margin.
+    """
+    saved = _saved_bytes(auto_store, "cpu")
+    cuda = FakeCuda(total=80 * GiB, free=60 * GiB, fraction=0.5)
+    cuda.reserved, cuda.allocated = 2 * GiB, GiB
+    store = auto_store(FakeMemory(0), memory_margin=0)
+    runner = store._runner
+    runner.room.probe = CudaMemory(0, runtime=cuda)
+    model = _model("cpu")
+    eager = _eager(8, "cpu")
+    for step in range(3):
+        with store.offload():
+            _same(_step(model, step, "cpu"), eager[step])
+    first = store.plan()
+    assert first is not None and first.keeps_everything
+    # The fraction caps it: min(60 + 2, 0.5 * 80) GiB, less 1 GiB allocated.
+    assert runner.budget == 40 * GiB - GiB
+    assert "(fraction 0.5)" in str(first)
+    # Another process takes the GPU: free + reserved is now below what the step saves.
+    cuda.free = saved // 2 + GiB - cuda.reserved
+    with store.offload():
+        _same(_step(model, 3, "cpu"), eager[3])
+        assert runner.budget == saved // 2
+        assert not runner.planned and runner._step is not None and runner._step.waiting
+    remaking = runner._checker._remaking
+    if remaking is not None:
+        remaking.join()
+    for step in range(4, 8):
+        with store.offload():
+            _same(_step(model, step, "cpu"), eager[step])
+            assert runner.planned
+    plan = store.plan()
+    assert plan is not None and plan.budget_bytes == saved // 2
+    assert plan.predicted_peak_bytes <= saved // 2
+    assert not torch.cuda.is_initialized()
 
 
 def test_a_capacity_jittering_by_5_percent_remakes_no_plan(auto_store: Any) -> None:

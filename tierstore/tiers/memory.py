@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -298,6 +298,10 @@ class CudaMemory:
 
     Args:
         device: the CUDA device index.
+        runtime: what the figures are read from: ``torch.cuda`` (``None``), or
+            an object with its ``mem_get_info``, ``memory_reserved``,
+            ``memory_allocated`` and, where the torch has it,
+            ``get_per_process_memory_fraction`` (a test's fake device).
 
     Example:
         >>> from tierstore.tiers.memory import CudaMemory
@@ -305,23 +309,27 @@ class CudaMemory:
         >>> probe.close()
     """
 
-    def __init__(self, device: int = 0) -> None:
+    def __init__(self, device: int = 0, runtime: Any = None) -> None:
         self._device = device
+        self._runtime = runtime
 
     def read(self) -> MemoryReading:
         """Capacity and allocated bytes of the device, now."""
-        device = self._device
-        free, total = torch.cuda.mem_get_info(device)
-        reserved = torch.cuda.memory_reserved(device)
-        fraction_of = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        device, cuda = self._device, self._cuda()
+        free, total = cuda.mem_get_info(device)
+        reserved = cuda.memory_reserved(device)
+        fraction_of = getattr(cuda, "get_per_process_memory_fraction", None)
         fraction = float(fraction_of(device)) if fraction_of is not None else 1.0
         capacity = min(free + reserved, int(fraction * total))
         source = f"cuda:{device}" + (f" (fraction {fraction:g})" if fraction < 1.0 else "")
-        return MemoryReading(capacity, torch.cuda.memory_allocated(device), source)
+        return MemoryReading(capacity, int(cuda.memory_allocated(device)), source)
 
     def usage(self) -> int:
         """Bytes allocated on the device now."""
-        return int(torch.cuda.memory_allocated(self._device))
+        return int(self._cuda().memory_allocated(self._device))
+
+    def _cuda(self) -> Any:
+        return torch.cuda if self._runtime is None else self._runtime
 
     def close(self) -> None:
         """Nothing held between reads. Idempotent."""
