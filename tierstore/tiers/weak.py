@@ -3,9 +3,10 @@
 ``weakref.WeakKeyDictionary`` removes a dead key in a callback written in
 Python, which runs wherever the key dies: a ``KeyboardInterrupt`` that
 lands there is printed as "Exception ignored" and dropped. :class:`WeakKeyMap`
-queues the dead key's reference with ``deque.append`` instead, a C call, and
-forgets it at its next use. Keys are compared by identity, as objects that
-define neither ``__eq__`` nor ``__hash__`` (storages, handles) are.
+files each value under its key's weak reference, whose callback is the
+table's ``dict.pop``, a C call: the value goes as its key dies. Keys are
+compared by identity, as objects that define neither ``__eq__`` nor
+``__hash__`` (storages, handles) are.
 
 Example:
     >>> import gc
@@ -21,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import weakref
-from collections import deque
 from typing import Any, Generic, TypeVar, overload
 
 __all__ = ["WeakKeyMap"]
@@ -30,33 +30,24 @@ V = TypeVar("V")
 
 
 class _KeyRef(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to a key that carries the key's id, its place in the map."""
+    """A weak reference to a key; hashed while the key lives, as the key hashes."""
 
-    __slots__ = ("ident",)
-    ident: int
+    __slots__ = ()
 
 
 class WeakKeyMap(Generic[V]):
     """Values by key, held while the key lives; the key's death runs no Python.
 
-    Not thread-safe: callers hold their own lock, as they did around a
+    Each value sits under the weak reference to its key, whose callback is
+    the map's own ``dict.pop``: as the key dies, the C runtime drops the
+    value with it (no Python runs, and nothing waits for the map's next
+    use, so a value holding memory lets it go with its key). Not
+    thread-safe: callers hold their own lock, as they did around a
     ``WeakKeyDictionary``'s lookups that must agree.
     """
 
     def __init__(self) -> None:
-        self._items: dict[int, tuple[_KeyRef, V]] = {}
-        self._dead: deque[_KeyRef] = deque()
-
-    def _forget_dead(self) -> None:
-        dead, items = self._dead, self._items
-        while True:
-            try:
-                ref = dead.popleft()
-            except IndexError:  # empty, or emptied by another thread meanwhile
-                return
-            item = items.get(ref.ident)
-            if item is not None and item[0] is ref:  # not a newer key at the same id
-                items.pop(ref.ident, None)
+        self._items: dict[_KeyRef, V] = {}
 
     @overload
     def get(self, key: Any) -> V | None: ...
@@ -66,19 +57,21 @@ class WeakKeyMap(Generic[V]):
 
     def get(self, key: Any, default: V | None = None) -> V | None:
         """The value of ``key``, or ``default``."""
-        if self._dead:
-            self._forget_dead()
-        item = self._items.get(id(key))
-        if item is None or item[0]() is not key:
-            return default
-        return item[1]
+        # A live reference equals another to the same key, and hashes as it.
+        return self._items.get(weakref.ref(key), default)  # type: ignore[call-overload]
+
+    def __getitem__(self, key: Any) -> V:
+        return self._items[weakref.ref(key)]  # type: ignore[index]
+
+    def __contains__(self, key: Any) -> bool:
+        return weakref.ref(key) in self._items
 
     def __setitem__(self, key: Any, value: V) -> None:
-        if self._dead:
-            self._forget_dead()
-        ref = _KeyRef(key, self._dead.append)
-        ref.ident = id(key)
-        self._items[ref.ident] = (ref, value)
+        # Hashed here, while the key lives: its dead reference finds its place.
+        # A key already there keeps its reference; this one goes unused, and a
+        # reference that dies before its key never calls back.
+        items = self._items
+        items[_KeyRef(key, items.pop)] = value
 
     def setdefault(self, key: Any, value: V) -> V:
         """The value of ``key``, set to ``value`` first if it has none."""
@@ -89,14 +82,15 @@ class WeakKeyMap(Generic[V]):
         return value
 
     def __len__(self) -> int:
-        if self._dead:
-            self._forget_dead()
         return len(self._items)
 
     def __bool__(self) -> bool:
-        return len(self) > 0
+        return bool(self._items)
 
     def clear(self) -> None:
-        """Forget every key."""
-        self._items.clear()
-        self._dead.clear()
+        """Forget every key.
+
+        The old table goes to its keys' callbacks, each of which pops its
+        own from it as its key dies: none finds its key missing.
+        """
+        self._items = {}
