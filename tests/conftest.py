@@ -7,7 +7,8 @@ import gc
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -252,3 +253,29 @@ def reads_done_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
 def reads_land_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """:func:`reads_done_at_once` for the whole test."""
     reads_done_at_once(monkeypatch)
+
+
+def cpu_storages(exclude: Collection[tuple[int, int]] = ()) -> dict[tuple[int, int], int]:
+    """Every CPU tensor storage Python can reach, once each: {(address, size): size}.
+
+    Counted independently of tierstore (the issues' "measured independently"):
+    walks the objects the garbage collector tracks. Tensors with no storage
+    of their own (fake, functional, meta: what an earlier compile test may
+    leave for the collector) are not memory, and are skipped.
+    """
+    gc.collect()
+    seen: dict[tuple[int, int], int] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated names, asked their type
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objects:
+        if obj.device.type != "cpu" or obj.is_meta:
+            continue
+        try:
+            storage = obj.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+        except (RuntimeError, NotImplementedError):  # no data of its own
+            continue
+        if key[0] and key not in exclude:
+            seen[key] = key[1]
+    return seen

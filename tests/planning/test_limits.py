@@ -16,10 +16,8 @@ runs, so that the write queue is as full as forward leaves it.
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,8 @@ import tierstore
 from tierstore.backends.file import FileBackend
 from tierstore.models import GPT, GPTConfig
 from tierstore.planning.runner import PlanRunner
+
+from ..conftest import cpu_storages
 
 MIB = 1 << 20
 STEPS = 6
@@ -73,18 +73,7 @@ def _loss(model: nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
 
 def _storages(exclude: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
     """Every CPU tensor storage Python can reach, by (address, size), less ``exclude``."""
-    gc.collect()
-    seen: dict[tuple[int, int], int] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # deprecated names, asked their type
-        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    for obj in objects:
-        if obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            if key[0] and key not in exclude:
-                seen[key] = key[1]
-    return seen
+    return cpu_storages(exclude)
 
 
 def _key(t: torch.Tensor) -> tuple[int, int]:

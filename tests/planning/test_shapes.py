@@ -27,6 +27,8 @@ from tierstore.planning.runner import PlanRunner
 from tierstore.tiers import host_pool as host
 from tierstore.tiers.movers import LinkClock
 
+from ..conftest import cpu_storages
+
 CONFIG = GPTConfig(vocab=64, d_model=32, heads=2, layers=2, seq=257, dropout=0.1)
 BUDGET = 2 << 20  # bytes: what a step of 64 to 96 saves, a quarter of one of 256
 
@@ -64,17 +66,12 @@ def _held(exclude: list[torch.Tensor]) -> int:
     memory whether or not anything is in them; its leases (writes in
     flight) are counted.
     """
-    objects = gc.get_objects()
-    chunks = [o.memory for o in objects if type(o) is host._Chunk]
+    chunks = [o.memory for o in gc.get_objects() if type(o) is host._Chunk]
     skip = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in chunks}
     skip |= {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in exclude}
     seen: dict[int, int] = {}
-    for o in objects:
-        if issubclass(type(o), torch.Tensor) and o.device.type == "cpu" and not o.is_meta:
-            storage = o.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            if key[0] and key not in skip:
-                seen[key[0]] = max(seen.get(key[0], 0), key[1])
+    for address, nbytes in cpu_storages(skip):
+        seen[address] = max(seen.get(address, 0), nbytes)
     return sum(seen.values())
 
 
