@@ -13,7 +13,9 @@ The directory goes away on ``close()``, and at interpreter exit through a
 ``weakref.finalize`` (which runs from ``atexit``) for a store nobody closed.
 So do the directories the store made to reach ``root`` (``disk_path`` and
 its missing parents), deepest first, each only while it is empty: ranks
-share ``disk_path``, and the last one out removes it.
+share ``disk_path``, so it goes when the store that made it closes last, and
+otherwise stays, empty (no other store can tell that a store, not the user,
+made it).
 
 A process killed with SIGKILL, or by the OOM killer, runs neither, so every
 new :class:`SpillDir` first sweeps ``root`` for directories left by dead
