@@ -13,7 +13,9 @@ The directory goes away on ``close()``, and at interpreter exit through a
 ``weakref.finalize`` (which runs from ``atexit``) for a store nobody closed.
 So do the directories the store made to reach ``root`` (``disk_path`` and
 its missing parents), deepest first, each only while it is empty: ranks
-share ``disk_path``, and the last one out removes it.
+share ``disk_path``, so it goes when the store that made it closes last, and
+otherwise stays, empty (no other store can tell that a store, not the user,
+made it).
 
 A process killed with SIGKILL, or by the OOM killer, runs neither, so every
 new :class:`SpillDir` first sweeps ``root`` for directories left by dead
@@ -34,6 +36,10 @@ Races the sweep has to survive:
   of never removing a live one.)
 * Two sweepers: the one that holds the lock removes the directory; the other
   fails to take the lock and moves on, or finds the directory already gone.
+* A store that made ``disk_path`` closes while another sets up under it: the
+  other may find it there and then gone before its own directory is in it.
+  Setup then starts over, making ``disk_path`` again (up to
+  :data:`_ROOT_TRIES` times), rather than fail with a path that was valid.
 * ``fork()``: a child shares the parent's lock (same open file description),
   so the directory stays alive while either lives; only the creating process
   removes the directory at exit, a forked child just drops its copy of the fd.
@@ -136,6 +142,8 @@ _LOCK_TMP_NAME = ".lock-setup"
 
 #: Random names tried for the private directory before giving up.
 _NAME_TRIES = 100
+#: Setups tried while ``disk_path`` vanishes under them: NOTE [ Spill directory lifecycle ].
+_ROOT_TRIES = 3
 
 _HINT = "set disk_path (TIERSTORE_DISK_PATH) to a writable local directory"
 _OWN_HINT = "set disk_path (TIERSTORE_DISK_PATH) to a local directory you own"
@@ -507,23 +515,32 @@ class SpillDir:
 
     def __init__(self, root: Path, prefix: str = "tierstore-") -> None:
         root = Path(os.path.abspath(root))
-        made: tuple[str, ...] = ()
-        try:
-            made = _make_dirs(root)
-            # Resolved once: NOTE [ Spill directory security ].
-            resolved = _checked_root(root)
-            _warn_if_in_memory(root, resolved)
-            self.removed_stale = _sweep_stale(resolved, prefix)
-            path, lock_fd = _make_private_dir(resolved, f"{prefix}{_rank_part()}{os.getpid()}-")
-        except BaseException as e:
-            _unmake_dirs(made)  # Ctrl-C too: NOTE [ Spill directory lifecycle ]
-            if not isinstance(e, OSError):
-                raise
-            raise ConfigError(
-                f"tierstore: cannot create a spill directory under disk_path='{root}': {e}; {_HINT}"
-            ) from e
+        for tries_left in reversed(range(_ROOT_TRIES)):
+            made: tuple[str, ...] = ()
+            try:
+                made = _make_dirs(root)
+                path, lock_fd = self._make_in(root, prefix)
+                break
+            except BaseException as e:
+                _unmake_dirs(made)  # Ctrl-C too: NOTE [ Spill directory lifecycle ]
+                if isinstance(e, FileNotFoundError) and tries_left:
+                    continue  # root removed by its maker's close meanwhile: the NOTE
+                if not isinstance(e, OSError):
+                    raise
+                raise ConfigError(
+                    f"tierstore: cannot create a spill directory under disk_path='{root}': "
+                    f"{e}; {_HINT}"
+                ) from e
         self._path = Path(path)
         self._finalizer = weakref.finalize(self, _remove, path, lock_fd, os.getpid(), made)
+
+    def _make_in(self, root: Path, prefix: str) -> tuple[str, int]:
+        """Sweep ``root`` and make this instance's directory in it: its path and lock fd."""
+        # Resolved once: NOTE [ Spill directory security ].
+        resolved = _checked_root(root)
+        _warn_if_in_memory(root, resolved)
+        self.removed_stale = _sweep_stale(resolved, prefix)
+        return _make_private_dir(resolved, f"{prefix}{_rank_part()}{os.getpid()}-")
 
     @staticmethod
     def _take_lock(path: str) -> int:

@@ -7,6 +7,7 @@ benchmarks/README.md); these run the same :func:`run_soak` on the tiny model.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import threading
@@ -20,6 +21,7 @@ import tierstore
 from tierstore.bench.cli import add_bench_parser
 from tierstore.bench.report import command_line
 from tierstore.bench.soak import MetricCheck, SoakResult, run_soak, tiny_settings
+from tierstore.tiers.release import close_collected
 
 STEPS = 50
 
@@ -72,6 +74,37 @@ def test_fifty_steps_on_disk_stay_flat(backend: str, tmp_path: Path) -> None:
     assert all(t["met"] for t in result.targets), result.targets
     assert result.model["nonfinite_steps"] == []
     assert result.samples["loss"][0] == result.model["eager_step1_loss"]
+
+
+def test_a_store_left_unclosed_before_the_soak_is_not_counted_against_it(tmp_path: Path) -> None:
+    # NOTE [ Finalizers and interrupts ]: a store collected unclosed is closed by
+    # the next store made or closed, here the soak's; its threads and file
+    # descriptors must not read as the soak's store giving back more than it took.
+    gc.collect()
+    close_collected()  # those earlier tests left
+    threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
+    config = tierstore.TierConfig(
+        device_budget=0,
+        host_budget=0,
+        disk_budget="4MiB",
+        disk_path=tmp_path / "left",
+        min_offload_bytes=0,
+    )
+    left = tierstore.TierStore(config)
+    x = torch.randn(4096, requires_grad=True)
+    with left.offload():
+        y = x.exp()
+    y.sum().backward()
+    spill = left.disk_directory
+    assert spill is not None and os.path.isdir(spill)
+    del left, x, y
+    assert threading.active_count() > threads and len(os.listdir("/proc/self/fd")) > fds
+    result = run_soak(
+        tiny_settings(steps=6, warmup=2, directory=str(tmp_path)), show_progress=False
+    )
+    assert result.ok, result.problems
+    assert not os.path.exists(spill)  # closed, before the soak counted
+    assert threading.active_count() == threads and len(os.listdir("/proc/self/fd")) == fds
 
 
 def test_a_leaked_file_descriptor_per_step_is_caught(tmp_path: Path) -> None:

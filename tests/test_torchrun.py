@@ -100,7 +100,9 @@ def test_every_rank_offloads_to_its_own_directory_and_trains_the_same(
         assert result["spill_dir_exists_after_close"] is False
         dirs.append(spill)
     assert dirs[0] != dirs[1]
-    assert list(spill_root.iterdir()) == []  # nothing left behind
+    # Nothing left behind. disk_path goes only with the rank that made it, if
+    # that rank closes last (NOTE [ Spill directory lifecycle ]); else it stays, empty.
+    assert not spill_root.exists() or list(spill_root.iterdir()) == []
 
 
 # What torchrun printed (trimmed), for check_job's own tests.

@@ -103,6 +103,27 @@ def test_directories_made_for_it_stay_while_another_store_uses_them(tmp_path: Pa
     assert sorted(os.listdir(tmp_path)) == ["kept", "made"]  # there before it: never removed
 
 
+def test_a_store_set_up_while_the_maker_of_disk_path_closes_makes_it_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The second finds disk_path there, then the first's close removes it
+    # (empty) before the second's directory is in it: NOTE [ Spill directory
+    # lifecycle ], setup starts over, and the second now made disk_path.
+    root = tmp_path / "spill"
+    first = SpillDir(root)
+    checked = _spill._checked_root
+
+    def maker_closes_first(path: Path) -> Path:
+        first.close()
+        return checked(path)
+
+    monkeypatch.setattr(_spill, "_checked_root", maker_closes_first)
+    second = SpillDir(root)
+    assert os.listdir(root) == [second.path.name]
+    second.close()
+    assert os.listdir(tmp_path) == []
+
+
 def test_an_interrupt_while_a_spill_dir_is_set_up_leaves_no_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -42,7 +42,10 @@ NOTE [ What bench soak measures ]
   without the store (from the same weights, tokens and dropout masks: torch
   is reseeded before both); loss and gradients finite in every step; after
   ``store.close()``, the spill directory is gone and the file descriptors
-  and threads are back to what they were before the store opened.
+  and threads are back to what they were before the store opened. Before
+  that first count, the stores this process collected unclosed are closed
+  (NOTE [ Finalizers and interrupts ] leaves that to the next store made or
+  closed, which would be this one), so the counts are this store's alone.
 * Step time: forward + backward + optimizer step, wall clock.
 
 Example:
@@ -87,6 +90,7 @@ from tierstore.errors import TierstoreError
 from tierstore.models import GPT, add_model_arguments, build_model, saved_bytes
 from tierstore.stats import TIERS
 from tierstore.tier_store import TierStore
+from tierstore.tiers.release import close_collected
 
 __all__ = [
     "BACKENDS",
@@ -469,6 +473,7 @@ def run_soak(
     start = time.perf_counter()
     try:
         release_free_memory(full=True)
+        close_collected()  # stores left unclosed before: their threads and fds are not ours
         fds_before, threads_before, os_threads_before = (
             _open_fds(),
             threading.active_count(),

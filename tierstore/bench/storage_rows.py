@@ -685,12 +685,16 @@ class _TierstoreSession(Session):
 
     def files(self) -> list[Path]:
         # The records' files: not the spill directory's pid lock, nor LMDB's
-        # reader table (lock.mdb), which LMDB keeps mapped and writes to.
-        return sorted(
+        # reader table (lock.mdb), which LMDB keeps mapped and writes to. The
+        # file backend's data file has no name in the directory (NOTE [ File
+        # backend unlinked ]): its path reaches it through its descriptor.
+        named = sorted(
             p
             for p in self.backend.directory.rglob("*")
             if p.is_file() and p.name not in _NOT_RECORDS
         )
+        data = self.backend.path
+        return named if data in named or not data.is_file() else [*named, data]
 
     def stored_bytes(self) -> int:
         return sum(len(r.header) + r.meta.payload_nbytes for _, r in self._records)
