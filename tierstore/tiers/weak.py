@@ -58,10 +58,12 @@ class WeakKeyMap(Generic[V]):
     def get(self, key: Any, default: V | None = None) -> V | None:
         """The value of ``key``, or ``default``."""
         # A live reference equals another to the same key, and hashes as it.
-        return self._items.get(weakref.ref(key), default)  # type: ignore[call-overload]
+        probe: Any = weakref.ref(key)
+        return self._items.get(probe, default)
 
     def __getitem__(self, key: Any) -> V:
-        return self._items[weakref.ref(key)]  # type: ignore[index]
+        probe: Any = weakref.ref(key)
+        return self._items[probe]
 
     def __contains__(self, key: Any) -> bool:
         return weakref.ref(key) in self._items
