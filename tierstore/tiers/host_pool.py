@@ -87,6 +87,7 @@ __all__ = [
     "RELEASE_MIN_BYTES",
     "HostBlock",
     "HostPool",
+    "map_large_allocations_apart",
     "page_fault_s",
     "release_free_heap",
 ]
@@ -145,8 +146,10 @@ class HostBlock:
 # handed back is faulted in again when used. Steps that let go of less than
 # that between them hold little the heap could give back, and a hand-back
 # at each of their starts costs them its faults all the same, and makes
-# their slowest steps slower. Nothing in use is freed and no allocator setting
-# changes; a page used again is faulted back in, zeroed. Handing back at
+# their slowest steps slower. Nothing in use is freed; a page used again is
+# faulted back in, zeroed. The saves themselves are mapped apart from the heaps
+# (NOTE [ Large allocations mapped apart ]), so what is handed back is the
+# small allocations' pages. Handing back at
 # each step's start alone leaves forward's peak well above what the step
 # holds; handing back within the step too, each budget's worth, brings it
 # down by about a third. Without a budget tierstore promises
@@ -175,6 +178,51 @@ class HostBlock:
 # steps used (HostPool.trim) as it begins, whatever its plan: one that
 # stores nothing never reaches the tier manager's step start, and would
 # keep the write staging the profile used resident through every step.
+
+# NOTE [ Large allocations mapped apart ]
+# glibc maps an allocation above its mmap threshold apart from the heap and
+# unmaps it at free, but it raises that threshold to the size of each such
+# allocation freed, up to 32 MiB: after the first save is freed, the saves
+# of a step come from the heaps (one per thread that allocates: forward's,
+# each I/O worker's), and a freed save's pages stay resident until the
+# next hand-back, which frees only the pages no live chunk shares. On the
+# 8-block GPT of tests/limit_worker.py the step's RSS rose by about 280 MiB
+# at a 0.2 budget (about 97 MiB), and a 540 MiB cgroup killed it in its
+# first step; with the threshold held at glibc's default (128 KiB) the run
+# peaks at 455 MiB. So a store with an activation budget holds the threshold
+# there (mallopt(M_MMAP_THRESHOLD), which also stops glibc moving it): a
+# save, a staging copy or a read of more than 128 KiB is mapped apart and
+# its pages leave the process as it is freed, so the process's memory
+# follows what the step holds, which is what a budget bounds. The cost is a
+# mapping and its page faults per large allocation, the faults a hand-back
+# costs anyway. The setting is the process's, held for its life (a store
+# closed leaves it): it changes where memory comes from, never what a
+# program computes. Where the C library is not glibc, nothing happens.
+
+#: glibc's mallopt parameter for the mmap threshold, and its default value.
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 128 << 10
+
+
+@functools.cache
+def map_large_allocations_apart() -> bool:
+    """Hold glibc's mmap threshold at its default: whether the C library took it.
+
+    NOTE [ Large allocations mapped apart ]. Once a process; ``False`` where
+    the C library is not glibc.
+
+    Example:
+        >>> from tierstore.tiers.host_pool import map_large_allocations_apart
+        >>> map_large_allocations_apart() in (True, False)
+        True
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError, TypeError):  # no such symbol; no CDLL(None) (Windows)
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+
 
 #: The fewest bytes a planned step lets go of between two heap releases
 #: (NOTE [ Handing the heap back ]): glibc's largest heap allocation.
