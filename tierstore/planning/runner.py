@@ -36,6 +36,7 @@ from tierstore.planning.recorder import ProfileRecorder, RebuildTime, _Row, _Ste
 from tierstore.planning.room import GROW, Room
 from tierstore.planning.timers import BusyTimer, Timer
 from tierstore.tiers.host_pool import map_large_allocations_apart
+from tierstore.tiers.memory import HostMemory
 from tierstore.tiers.movers import LinkClock
 
 __all__ = ["CARRIED_KEPT", "PLANS_KEPT", "PlanRunner"]
@@ -221,7 +222,8 @@ class PlanRunner(StepLimits):
         # tierstore/tiers/host_pool.py).
         self._cpu_step_began = cpu_step_began
         # NOTE [ Large allocations mapped apart ] in tierstore/tiers/host_pool.py.
-        map_large_allocations_apart()
+        if HostMemory().tightest() is not None:  # under a memory limit
+            map_large_allocations_apart()
         self.background = background  # NOTE [ Planning off the training thread ] in checker.py
         #: The budget as the user asked for it, for messages: bytes, a fraction or "auto".
         self.asked: int | float | str = config.activation_budget

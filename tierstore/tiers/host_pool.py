@@ -181,22 +181,23 @@ class HostBlock:
 
 # NOTE [ Large allocations mapped apart ]
 # glibc maps an allocation above its mmap threshold apart from the heap and
-# unmaps it at free, but it raises that threshold to the size of each such
-# allocation freed, up to 32 MiB: after the first save is freed, the saves
-# of a step come from the heaps (one per thread that allocates: forward's,
-# each I/O worker's), and a freed save's pages stay resident until the
-# next hand-back, which frees only the pages no live chunk shares. On the
-# 8-block GPT of tests/limit_worker.py the step's RSS rose by about 280 MiB
-# at a 0.2 budget (about 97 MiB), and a 540 MiB cgroup killed it in its
-# first step; with the threshold held at glibc's default (128 KiB) the run
-# peaks at 455 MiB. So a store with an activation budget holds the threshold
-# there (mallopt(M_MMAP_THRESHOLD), which also stops glibc moving it): a
-# save, a staging copy or a read of more than 128 KiB is mapped apart and
-# its pages leave the process as it is freed, so the process's memory
-# follows what the step holds, which is what a budget bounds. The cost is a
-# mapping and its page faults per large allocation, the faults a hand-back
-# costs anyway. The setting is the process's, held for its life (a store
-# closed leaves it): it changes where memory comes from, never what a
+# unmaps it at free, but raises that threshold to the size of each such
+# allocation freed, up to 32 MiB: after the first save is freed, a step's
+# saves come from the heaps (one per thread that allocates: forward's, each
+# I/O worker's), and a freed save's pages stay resident until a hand-back,
+# which frees only the pages no live chunk shares. The process then holds
+# far more than the step does, and under a memory limit (a container's
+# cgroup) that excess is what the kernel kills. So a store with an
+# activation budget, in a process under a memory limit, holds the threshold
+# at glibc's default, 128 KiB (mallopt(M_MMAP_THRESHOLD), which also stops
+# glibc moving it): a save, a staging copy or a read above it is mapped
+# apart, and its pages leave the process as it is freed, so the process's
+# memory follows what the step holds, which is what the budget bounds. It
+# costs a mapping and its page faults per large allocation, the faults a
+# hand-back costs anyway; without a limit, where resident pages kill
+# nothing, the heap keeps them for reuse and the setting stays as it is.
+# This is the one allocator setting tierstore changes, for the process's
+# life (a store closed leaves it): where memory comes from, never what a
 # program computes. Where the C library is not glibc, nothing happens.
 
 #: glibc's mallopt parameter for the mmap threshold, and its default value.
