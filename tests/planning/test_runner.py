@@ -201,11 +201,22 @@ def test_saves_do_what_the_plan_says(budget_store: Callable[..., tierstore.TierS
         return out
 
     store._pack = spy  # type: ignore[method-assign]
-    before = store.stats()
-    with store.offload():
-        plan = store.plan()  # made or remade as this step began
-        assert plan is not None
-        _step(model, 3)
+    # The first step that follows its plan is watched. A step whose peak
+    # measured above the budget (its writes slower than the profile's, on a
+    # loaded machine) sends the next ones to the safe placement until the
+    # plan remade is in use (NOTE [ A peak above the budget ] in
+    # planning/checker.py): those are not the plan's.
+    for step in range(3, 9):
+        packed.clear()
+        before = store.stats()
+        with store.offload():
+            plan = store.plan()  # made or remade as this step began
+            assert plan is not None
+            _step(model, step)
+            kind = _kind(store)  # the step is under way until the next block
+        if kind == "planned":
+            break
+    assert kind == "planned", kind
     # What the plan keeps stays as it is, with no entry (NOTE [ Saves that stay ]).
     offloadable = [
         p for p in packed if isinstance(p, (tierstore.tiers.handle.Handle, Recipe, tuple))
