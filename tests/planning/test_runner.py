@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -201,11 +202,22 @@ def test_saves_do_what_the_plan_says(budget_store: Callable[..., tierstore.TierS
         return out
 
     store._pack = spy  # type: ignore[method-assign]
-    before = store.stats()
-    with store.offload():
-        plan = store.plan()  # made or remade as this step began
-        assert plan is not None
-        _step(model, 3)
+    # The first step that follows its plan is watched. A step whose peak
+    # measured above the budget (its writes slower than the profile's, on a
+    # loaded machine) sends the next ones to the safe placement until the
+    # plan remade is in use (NOTE [ A peak above the budget ] in
+    # planning/checker.py): those are not the plan's.
+    for step in range(3, 9):
+        packed.clear()
+        before = store.stats()
+        with store.offload():
+            plan = store.plan()  # made or remade as this step began
+            assert plan is not None
+            _step(model, step)
+            kind = _kind(store)  # the step is under way until the next block
+        if kind == "planned":
+            break
+    assert kind == "planned", kind
     # What the plan keeps stays as it is, with no entry (NOTE [ Saves that stay ]).
     offloadable = [
         p for p in packed if isinstance(p, (tierstore.tiers.handle.Handle, Recipe, tuple))
@@ -619,11 +631,15 @@ def test_a_planned_cpu_step_starts_on_a_released_heap(
     # have let go of RELEASE_MIN_BYTES since the last time. This model's steps
     # let go of far less than the default: then never, and with the floor at
     # one byte, at each step's start and at no other save (no budget's worth
-    # is let go within a step: the budget is patched out of reach).
+    # is let go within a step: the budget the release counts against is
+    # patched out of reach; not the runner's, which also sizes the safe
+    # placement's device share: out of reach, the warm-up and profiled steps
+    # would keep every save and let go of none).
+    let_go = Transfers.let_go
+    monkeypatch.setattr(Transfers, "let_go", lambda self, n, budget: let_go(self, n, 1 << 40))
     for floor, releases in ((host.RELEASE_MIN_BYTES, 0), (1, 2)):
         monkeypatch.setattr("tierstore.tiers.transfers.RELEASE_MIN_BYTES", floor)
         store = budget_store(0.05)
-        monkeypatch.setattr(store._runner, "budget_bytes_now", lambda: 1 << 40)
         _same(_run(store, 3), _run(None, 3))
         plan = store.plan()
         assert plan is not None and "offload" in plan.choices
@@ -1679,20 +1695,25 @@ def test_a_planning_process_that_ended_is_replaced_and_none_is_left_open() -> No
     # One that died mid-run is replaced, its pipes closed; one nobody closed
     # ends with its worker (CI's "unclosed file" warnings came from these).
     profile = Profile((Save(1000, "aten.mm", "m", 0.0, 0.0),), 1.0, 1.0, 0.0, 1e9, 1e9, 1000)
+    # The test holds the Popen, as CPython's subprocess._active does for a
+    # child still running; not the pipe to its stdin, which is the
+    # PlanningProcess's (NOTE [ The planning process's life ] in planning/process.py).
     worker = plan_process.PlanningProcess()
     assert worker.plan(profile, 10).floor_bytes == 1000
-    first = worker._process
-    assert first is not None and first.stdin is not None and first.stdout is not None
+    first, requests = worker._process, worker._requests
+    assert first is not None and first.stdin is None and first.stdout is not None
+    assert requests is not None
     first.kill()
     first.wait(10)
     assert worker.plan(profile, 10).floor_bytes == 1000  # a new process made it
     second = worker._process
     assert second is not None and second is not first
-    assert first.stdin.closed and first.stdout.closed
-    del worker
+    assert requests.closed and first.stdout.closed
+    second_requests = weakref.ref(worker._requests)
+    del worker, requests
     gc.collect()
+    assert second_requests() is None  # gone with the PlanningProcess: its pipe closed
     assert second.wait(10) is not None
-    assert second.stdin is not None and second.stdin.closed
 
 
 @pytest.mark.parametrize("yields", [True, False])

@@ -25,7 +25,7 @@ import os
 import subprocess
 import sys
 import threading
-from typing import Any
+from typing import IO, Any
 
 from tierstore.planning.planner import Plan, Profile
 
@@ -41,7 +41,11 @@ __all__ = ["WORKER", "PlanningProcess"]
 # kernel closes the pipe even after a SIGKILL). close() ends it at once.
 # No finalizer ends it (NOTE [ Finalizers and interrupts ] in
 # tierstore/tiers/release.py): a PlanningProcess collected unclosed drops
-# its pipes, and the worker sees the end of its input. An exchange cut
+# its pipes, and the worker sees the end of its input. The pipe to the
+# worker's stdin is the PlanningProcess's, not its Popen's: CPython keeps
+# the Popen of a child still running (subprocess._active, to reap it
+# later), which would keep that pipe open, and the worker with it, for as
+# long as the training process runs. An exchange cut
 # short by an interrupt on the thread that waits for it ends the process,
 # so that its late answer is never read as the next request's: the next
 # plan starts another.
@@ -84,6 +88,8 @@ class PlanningProcess:
 
     def __init__(self) -> None:
         self._process: subprocess.Popen[bytes] | None = None
+        # Its stdin's pipe, ours alone (NOTE [ The planning process's life ]).
+        self._requests: IO[bytes] | None = None
         self._lock = threading.Lock()
         self._closed = False
 
@@ -105,8 +111,9 @@ class PlanningProcess:
         process = self._process
         if process is None or process.poll() is not None:
             if process is not None:
-                _end(process)  # one that ended: its pipes, before another's
+                _end(process, self._requests)  # one that ended: its pipes, before another's
             process = self._process = _start()
+            self._requests, process.stdin = process.stdin, None
         return process
 
     def plan(self, profile: Profile, budget: int) -> Plan:
@@ -115,19 +122,20 @@ class PlanningProcess:
             if self._closed:
                 raise RuntimeError("tierstore: the planning process was closed")
             process = self._running()
-            assert process.stdin is not None and process.stdout is not None
+            requests = self._requests
+            assert requests is not None and process.stdout is not None
             fields = _fields(profile, _HOOKS_ONLY)  # not the hooks layer's
             fields["saves"] = [_fields(save) for save in profile.saves]
             request = {"profile": fields, "budget": budget}
             try:
-                process.stdin.write(json.dumps(request).encode() + b"\n")
-                process.stdin.flush()
+                requests.write(json.dumps(request).encode() + b"\n")
+                requests.flush()
                 line = process.stdout.readline()
             except BaseException:
                 # Ctrl-C mid-exchange: its answer would be read as the next
                 # request's. NOTE [ The planning process's life ].
-                self._process = None
-                _end(process)
+                self._process = self._requests = None
+                _end(process, requests)
                 raise
             if not line:
                 raise RuntimeError("tierstore: the planning process ended without a plan")
@@ -147,8 +155,9 @@ class PlanningProcess:
         """End the process. Idempotent."""
         self._closed = True
         process, self._process = self._process, None
+        requests, self._requests = self._requests, None
         if process is not None:
-            _end(process)
+            _end(process, requests)
 
 
 def _start() -> subprocess.Popen[bytes]:
@@ -162,9 +171,12 @@ def _start() -> subprocess.Popen[bytes]:
     )
 
 
-def _end(process: subprocess.Popen[bytes]) -> None:
-    """Close a planning process's pipes and end it: at ``close``, or for one nobody closed."""
-    for pipe in (process.stdin, process.stdout):
+def _end(process: subprocess.Popen[bytes], requests: IO[bytes] | None) -> None:
+    """Close a planning process's pipes (``requests``: its stdin's) and end it.
+
+    At ``close``, for one that ended, or for one an interrupt cut short.
+    """
+    for pipe in (requests, process.stdout):
         if pipe is not None:
             with contextlib.suppress(OSError):
                 pipe.close()
