@@ -30,6 +30,7 @@ from torch.autograd.graph import saved_tensors_hooks
 import tierstore
 from tierstore.backends.file import FileBackend
 from tierstore.models import GPT, GPTConfig
+from tierstore.planning import runner as runner_module
 from tierstore.planning.runner import PlanRunner
 
 from ..conftest import cpu_storages
@@ -196,6 +197,9 @@ def test_the_steps_before_the_first_plan_hold_the_budget(
     # The default: the first plan is made off the thread, and the steps
     # meanwhile wait for it on the safe placement.
     monkeypatch.setattr(PlanRunner, "first_plan_at_once", False)
+    # Nor does the third step wait for it (NOTE [ The first plan ] in
+    # planning/checker.py): a step then runs before the plan, waiting for it.
+    monkeypatch.setattr(runner_module, "FIRST_PLAN_WAIT", 0.0)
     _, expected = _held_at_forward_end(kind, None)
     config = tierstore.TierConfig(
         activation_budget=budget, disk_path=spill_root, min_offload_bytes=0
