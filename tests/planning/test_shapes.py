@@ -59,6 +59,17 @@ def _tokens(step: int, batch: int, seq: int) -> torch.Tensor:
     return torch.randint(0, CONFIG.vocab, (batch, seq + 1))
 
 
+#: The CPU storages alive as each test began: what earlier tests left for the
+#: collector is none of the step's.
+_BEFORE: set[tuple[int, int]] = set()
+
+
+@pytest.fixture(autouse=True)
+def _storages_before() -> None:
+    _BEFORE.clear()
+    _BEFORE.update(cpu_storages())
+
+
 def _held(exclude: list[torch.Tensor]) -> int:
     """Bytes of the live CPU tensors' storages, less ``exclude``'s and the host pool's chunks.
 
@@ -69,6 +80,7 @@ def _held(exclude: list[torch.Tensor]) -> int:
     chunks = [o.memory for o in gc.get_objects() if type(o) is host._Chunk]
     skip = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in chunks}
     skip |= {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in exclude}
+    skip |= _BEFORE
     seen: dict[int, int] = {}
     for address, nbytes in cpu_storages(skip):
         seen[address] = max(seen.get(address, 0), nbytes)
