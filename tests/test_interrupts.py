@@ -98,9 +98,12 @@ def _line(proc: subprocess.Popen[str], timeout: float) -> str | None:
 
 def _spawn(script: str, *args: str) -> subprocess.Popen[str]:
     # A session of its own: the process group the signals go to is the
-    # child's, as a terminal's foreground group would be, not pytest's.
+    # child's, as a terminal's foreground group would be, not pytest's. Ctrl-C
+    # as a terminal's script has it: a child inherits an ignored SIGINT (an
+    # earlier test's process may leave it so), and Python then raises nothing.
+    prelude = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
     return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(script), *args],
+        [sys.executable, "-c", prelude + textwrap.dedent(script), *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
