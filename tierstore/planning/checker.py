@@ -329,11 +329,12 @@ class PlanChecker:
         """
         if expected is None:
             expected = self._runner._expected
-        if budget is None:
-            budget = budget_bytes(self._runner.budget, profile.saved_bytes)
-            # Less what a step of the shape was short of (NOTE [ A step that raised ]
-            # in tierstore/tier_store.py).
-            budget = max(budget - self._runner.short_of.get(expected, 0), 0)
+        # Less what a step of the shape was short of (NOTE [ A step that raised ]
+        # in tierstore/tier_store.py), whoever asks: a remake for a peak or for
+        # time, of a plan made before that step, passes the plan's own budget.
+        allowed = budget_bytes(self._runner.budget, profile.saved_bytes)
+        allowed = max(allowed - self._runner.short_of.get(expected, 0), 0)
+        budget = allowed if budget is None else min(budget, allowed)
         elsewhere = (
             self._runner.wait_for_plans and self._runner.background
         )  # the process, waited for
