@@ -2223,8 +2223,15 @@ def test_a_planned_backward_reads_ahead_by_its_plans_window(
         real_top_up()
 
     monkeypatch.setattr(reads, "top_up", spy)
-    steps = plan.steps
-    grads = _run(store, 1)
+    for _ in range(4):  # a step over the budget on a busy machine falls back once
+        plan = store.plan()
+        assert plan is not None
+        steps = plan.steps
+        allowed.clear()
+        reads.limit._min_bytes = reads.limit.bytes = 4096
+        grads = _run(store, 1)
+        if plan.steps == steps + 1:
+            break
     assert plan.steps == steps + 1  # a planned step, on this plan
     assert allowed and set(allowed) == {plan.window_bytes}
     _same(grads, _run(None, 1))
