@@ -54,6 +54,7 @@ from tierstore.tiers.figures import Figures
 from tierstore.tiers.forks import forked_message, leave_to_parent
 from tierstore.tiers.handle import Handle
 from tierstore.tiers.inflight import InFlight
+from tierstore.tiers.interrupts import held, hold_interrupts, let_go_of_interrupts
 from tierstore.tiers.limits import Limits, Measures
 from tierstore.tiers.movers import LinkClock, Pipeline
 from tierstore.tiers.placement import TierPlacement
@@ -177,6 +178,7 @@ class TierManager:
         # dropped without close().
         # NOTE [ Finalizers and interrupts ] in tiers/release.py: queued, not run, when collected.
         close_collected()
+        hold_interrupts()  # let go of as the movers close: NOTE [ Interrupts held ]
         self._finalizer = close_when_collected(
             self, functools.partial(_close_movers, self._pipeline, self._transfers)
         )
@@ -451,7 +453,8 @@ class TierManager:
             elif self._flight.safe_reads:  # NOTE [ Planned steps ]: held as backward frees
                 self._flight.hold_reads()
             self._schedule.unpacked(entry.key)
-            got = self._reads.fetch(entry, first)
+            with held:  # no wait in it: NOTE [ A read handed to backward ] in tiers/readahead.py
+                got = self._reads.fetch(entry, first)
             if limits is not None:  # with this entry taken and the reads topped up
                 self._note_resident()
                 if entry.tier != "device":
@@ -606,3 +609,4 @@ class TierManager:
 def _close_movers(pipeline: Pipeline, transfers: Transfers) -> None:
     pipeline.close()
     transfers.close()
+    let_go_of_interrupts()

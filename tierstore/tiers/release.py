@@ -36,6 +36,7 @@ import torch
 from tierstore.stats import Tier
 from tierstore.tiers.entry import Entry, TierState
 from tierstore.tiers.handle import Handle
+from tierstore.tiers.interrupts import held
 from tierstore.tiers.movers import Pipeline
 from tierstore.tiers.readahead import ReadAhead
 from tierstore.tiers.transfers import Transfers
@@ -74,7 +75,10 @@ __all__ = ["Releases", "close_collected", "close_now", "close_when_collected", "
 # first never calls back). The thread that next takes the owner's lock
 # drains the queue, where an interrupt reaches the user as it should. Each
 # item leaves the queue before its work is done: an interrupt in between
-# loses that one release (a leak), never does it twice (a corruption).
+# would lose that one release (a leak), never do it twice (a corruption),
+# and the drain holds interrupts off until it ends (NOTE [ Interrupts held ]
+# in tiers/interrupts.py), so none lands in between where Python's own
+# SIGINT handler is in place.
 # Locks are taken with `with`, never acquire() then try: in CPython an
 # interrupt can land between the two, and the lock stays held. A lock let
 # go around a wait is taken back by retake(), which holds on to an
@@ -214,10 +218,11 @@ class Releases:
 
         The death only queues the entry: NOTE [ Deferred release ].
         """
-        handle = Handle(entry.key, t)
-        ref = _Release(handle, self.pending.append)
-        ref.key = entry.key
-        self._live[id(ref)] = ref
+        with held:  # NOTE [ Interrupts held ] in tiers/interrupts.py
+            handle = Handle(entry.key, t)
+            ref = _Release(handle, self.pending.append)
+            ref.key = entry.key
+            self._live[id(ref)] = ref
         return handle
 
     @contextlib.contextmanager
@@ -259,14 +264,15 @@ class Releases:
             self.pending.clear()
             self._live.clear()
             return
-        if settle:
-            self._transfers.settle()
-            self._writes.harvest()
-        pending, live = self.pending, self._live
-        while pending:
-            ref = pending.popleft()
-            del live[id(ref)]
-            self.release_locked(ref.key)
+        with held:  # NOTE [ Interrupts held ] in tiers/interrupts.py
+            if settle:
+                self._transfers.settle()
+                self._writes.harvest()
+            pending, live = self.pending, self._live
+            while pending:
+                ref = pending.popleft()
+                del live[id(ref)]
+                self.release_locked(ref.key)
 
     def release_locked(self, key: int) -> None:
         """Let go of one reference to entry ``key`` (under the lock); the last frees it."""
@@ -281,7 +287,7 @@ class Releases:
         if key_of is not None and self._dedupe.get(key_of, (None, None))[1] == key:
             # only its own: NOTE [ Deduplication under threads ] in tiers/dedupe.py
             del self._dedupe[key_of]
-        self._reads.drop(key)
+        self._reads.released(entry)
         if key in self._writes:
             return  # harvest() frees it once the write has ended
         if entry.tier is not None:
