@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ from tierstore.planning.planner import (
 )
 from tierstore.planning.process import PlanningProcess
 from tierstore.planning.recorder import _scaled_save
+from tierstore.tiers.interrupts import alive
 
 if TYPE_CHECKING:
     from tierstore.planning.runner import PlanRunner
@@ -44,6 +46,9 @@ __all__ = [
     "PlanChecker",
     "budget_bytes",
 ]
+
+#: How often wait() looks for the plan being made.
+_POLL_S = 0.02
 
 # NOTE [ Charging a slow step ]
 # A slow step's excess goes to what the profile could not price. On a CPU
@@ -249,7 +254,7 @@ class PlanChecker:
 
     def making(self) -> bool:
         """Whether a plan is being made off the training thread."""
-        return self._remaking is not None and self._remaking.is_alive()
+        return self._remaking is not None and alive(self._remaking)
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the plan being made; whether one is ready.
@@ -257,8 +262,14 @@ class PlanChecker:
         NOTE [ The first plan ]. Returns at once where none is on its way.
         """
         remaking = self._remaking
-        if self.remade is None and remaking is not None and remaking.is_alive():
-            remaking.join(max(timeout, 0.0))
+        deadline = time.monotonic() + max(timeout, 0.0)
+        # Polled, not joined: a join that Ctrl-C stops can mark a live thread
+        # ended for good (NOTE [ Interrupts held ] in tierstore/tiers/interrupts.py).
+        while self.remade is None and remaking is not None and alive(remaking):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(left, _POLL_S))
         return self.remade is not None
 
     def warm(self) -> None:
@@ -349,7 +360,7 @@ class PlanChecker:
                 plan = make_plan(profile, budget)  # no search, or one here
             self._runner._use(expected, plan)
             return self._made(plan, verb)
-        if self._remaking is not None and self._remaking.is_alive():
+        if self._remaking is not None and alive(self._remaking):
             return None  # one at a time: the check after it judges the new plan
 
         def in_process() -> None:

@@ -25,6 +25,7 @@ import functools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -44,6 +45,7 @@ from tierstore.errors import (
     quoted,
 )
 from tierstore.tiers.forks import forked_message, leave_to_parent
+from tierstore.tiers.interrupts import alive, held
 
 __all__ = ["LinkClock", "Pipeline", "Record"]
 
@@ -59,8 +61,13 @@ T = TypeVar("T")
 # TierstoreError with the thread's exception as the cause. Entries whose
 # writes never ran still have their bytes in memory and are read from there;
 # entries already on disk are out of reach. close() still works, and removes
-# the files.
+# the files. Whether the thread lives is a flag it sets as it starts serving
+# and clears as it ends, not Thread.is_alive(), which an interrupt can
+# make lie (NOTE [ Interrupts held ] in tiers/interrupts.py): this is asked
+# before every request.
 _LIVENESS_S = 0.25
+#: The longest a wait holds Ctrl-C off (Pipeline.wait).
+_WAIT_SLICE_S = 0.05
 
 # NOTE [ Movers ]
 # One event-loop thread per store runs the disk I/O as coroutines; each
@@ -113,6 +120,17 @@ _LIVENESS_S = 0.25
 # deletes still queued: the backend and its files go anyway.
 
 
+# NOTE [ Tasks die on the loop ]
+# asyncio keeps every task in a WeakSet, whose entry goes by a weak
+# reference callback written in Python, run by whichever thread drops the
+# task's last reference. asyncio's own chaining of a task to a
+# concurrent.futures.Future has the future hold the task (for cancelling
+# it), so the task died wherever the future did: on the training thread,
+# as a released entry let go of its write. A Ctrl-C landing in that
+# callback is printed as "Exception ignored" and lost: training went on
+# (seen once in 40 Ctrl-Cs). _chain holds the task only weakly from the
+# future, so it dies on the loop thread, where no signal handler runs.
+
 # NOTE [ Requests that an interrupt cannot split ]
 # The training thread hands the I/O thread its writes, reads and deletes,
 # and Ctrl-C can stop it at any bytecode of that hand-off: with the request
@@ -126,7 +144,12 @@ _LIVENESS_S = 0.25
 # lands while it is being queued and the loop has not claimed it, it is
 # queued again (a second start finds nothing to claim) before the interrupt
 # goes on. So a request that was asked for runs, and its future ends: the
-# interrupt reaches the user, and the store's books stay whole.
+# interrupt reaches the user, and the store's books stay whole. That still
+# left the bytecodes between a `finally` and the `try` of the call it makes
+# (a hang: a write never queued, its future waited on for good, seen once
+# in 40 Ctrl-Cs); so the hand-off, from the future made to the request
+# queued, runs in one hold (NOTE [ Interrupts held ] in tiers/interrupts.py)
+# wherever Python's own SIGINT handler is in place.
 
 
 def _launch(
@@ -139,27 +162,58 @@ def _launch(
     NOTE [ Requests that an interrupt cannot split ]: called again for the
     same ``future``, it runs nothing more.
     """
-    claim: list[bool] = future.__dict__.setdefault("_tierstore_claim", [True])
+    with held:  # NOTE [ Interrupts held ] in tiers/interrupts.py
+        claim: list[bool] = future.__dict__.setdefault("_tierstore_claim", [True])
 
-    def start() -> None:
-        try:
-            claim.pop()
-        except IndexError:
-            return  # queued twice: the first start ran it
-        try:
-            task = loop.create_task(make())
-        except BaseException as exc:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(exc)
-            raise
-        asyncio.futures._chain_future(task, future)  # type: ignore[attr-defined]
+        def start() -> None:
+            try:
+                claim.pop()
+            except IndexError:
+                return  # queued twice: the first start ran it
+            try:
+                task = loop.create_task(make())
+            except BaseException as exc:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(exc)
+                raise
+            _chain(task, future, loop)
 
-    try:
-        loop.call_soon_threadsafe(start)
-    except BaseException:
-        if claim and not loop.is_closed():
+        try:
             loop.call_soon_threadsafe(start)
-        raise
+        except BaseException:
+            if claim and not loop.is_closed():
+                loop.call_soon_threadsafe(start)
+            raise
+
+
+def _chain(
+    task: asyncio.Task[Any], future: concurrent.futures.Future[Any], loop: asyncio.AbstractEventLoop
+) -> None:
+    """``task``'s outcome into ``future``; cancelling ``future`` cancels ``task``.
+
+    NOTE [ Tasks die on the loop ]: ``future`` never holds ``task``.
+    """
+    weak = weakref.ref(task)
+
+    def cancelled(done: concurrent.futures.Future[Any]) -> None:  # any thread
+        if done.cancelled():
+            running = weak()
+            if running is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(running.cancel)
+
+    def ended(done: asyncio.Task[Any]) -> None:  # on the loop
+        if done.cancelled():
+            future.cancel()
+        if not future.set_running_or_notify_cancel():
+            return
+        error = done.exception()
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(done.result())
+
+    future.add_done_callback(cancelled)
+    task.add_done_callback(ended)
 
 
 class LinkClock:
@@ -405,6 +459,7 @@ class Pipeline:
         self._start_lock = threading.Lock()
         self._closed = False
         self._death: BaseException | None = None
+        self._serving = False  # set and cleared by the loop thread: NOTE [ A dead I/O thread ]
         # NOTE [ Deletes on the I/O thread ]: queued deletes by key (any thread),
         # and those under way on the loop (the loop thread's own).
         self._deleting: dict[int, concurrent.futures.Future[None]] = {}
@@ -453,7 +508,7 @@ class Pipeline:
         for thread in threads:
             ident = thread.ident
             # A thread that has ended has no clock: its id may name freed memory.
-            if ident is None or not thread.is_alive() or not hasattr(time, "pthread_getcpuclockid"):
+            if ident is None or not alive(thread) or not hasattr(time, "pthread_getcpuclockid"):
                 continue
             with contextlib.suppress(OSError, ProcessLookupError):
                 total += time.clock_gettime(time.pthread_getcpuclockid(ident))
@@ -473,11 +528,14 @@ class Pipeline:
         return backend.trim() if backend is not None else 0
 
     def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._serving = True
         try:
             loop.run_forever()
         except BaseException as exc:  # NOTE [ A dead I/O thread ]
             self._death = exc
             raise
+        finally:
+            self._serving = False
 
     def _check_usable(self) -> None:
         if self._parent is not None:
@@ -495,7 +553,9 @@ class Pipeline:
         if self._parent is not None:  # the thread is the parent's: waiting would hang
             raise StoreClosedError(forked_message("this store's disk tier", self._parent))
         thread = self._thread
-        if thread is None or thread.is_alive() or self._closed:
+        if thread is None or self._serving or self._closed:
+            return
+        if alive(thread):  # not serving yet: still starting
             return
         death = self._death
         raise TierstoreError(
@@ -514,12 +574,22 @@ class Pipeline:
         Raises:
             TierstoreError: see :meth:`check_alive`.
         """
-        pending = [f for f in futures if f is not None and not f.done()]
+        # In slices, each in a hold: concurrent.futures.wait takes every
+        # future's condition in Python code, and Ctrl-C landing there leaves
+        # one held for good, and the I/O thread that ends that future stuck on
+        # it (seen once in 40 Ctrl-Cs). The interrupt comes as the slice ends,
+        # within _WAIT_SLICE_S; a future that ends sooner ends the wait sooner.
+        # NOTE [ Interrupts held ] in tiers/interrupts.py.
+        with held:
+            pending = [f for f in futures if f is not None and not f.done()]
+        checked = time.monotonic()
         while pending:
-            _, not_done = concurrent.futures.wait(pending, timeout=_LIVENESS_S)
+            with held:
+                _, not_done = concurrent.futures.wait(pending, timeout=_WAIT_SLICE_S)
             pending = list(not_done)
-            if pending:
+            if pending and time.monotonic() - checked >= _LIVENESS_S:
                 self.check_alive()
+                checked = time.monotonic()
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         self.check_alive()
@@ -537,8 +607,9 @@ class Pipeline:
                 self._thread = threading.Thread(
                     target=self._serve, args=(loop,), name="tierstore-loop", daemon=True
                 )
-                self._thread.start()
-                self._loop = loop
+                with held:  # a start that Ctrl-C stops would leave a second loop made
+                    self._thread.start()
+                    self._loop = loop
             return self._loop
 
     def close(self) -> None:
@@ -558,9 +629,9 @@ class Pipeline:
             # Cancel what is still queued (a read waiting for a write, say), let
             # the cancellations run, then stop; started syscalls finish first.
             # A dead loop thread (NOTE [ A dead I/O thread ]) runs nothing more.
-            if thread.is_alive():
+            if alive(thread):
                 cancelled = asyncio.run_coroutine_threadsafe(_cancel_all(), loop)
-                while thread.is_alive():
+                while alive(thread):
                     with contextlib.suppress(concurrent.futures.TimeoutError):
                         cancelled.result(timeout=_LIVENESS_S)
                         break
@@ -611,18 +682,19 @@ class Pipeline:
             future = concurrent.futures.Future()
         clock, nbytes = self.write_clock, span.nbytes
         loop: asyncio.AbstractEventLoop | None = None
-        try:  # NOTE [ Requests that an interrupt cannot split ]: set up, then queued
-            loop = self._running_loop()  # it may raise: then nothing is queued
-            if done is not None:
-                future.add_done_callback(done)
-            future.add_done_callback(lambda _: clock.ended(nbytes))
-            clock.started()
-        finally:
-            loop = loop if loop is not None else self._loop
-            if loop is not None and not loop.is_closed():
-                _launch(loop, lambda: self._write(key, span, ready, alloc, headroom), future)
-            else:  # no loop to run it: the caller's future ends all the same
-                future.cancel()
+        with held:
+            try:  # NOTE [ Requests that an interrupt cannot split ]: set up, then queued
+                loop = self._running_loop()  # it may raise: then nothing is queued
+                if done is not None:
+                    future.add_done_callback(done)
+                future.add_done_callback(lambda _: clock.ended(nbytes))
+                clock.started()
+            finally:
+                loop = loop if loop is not None else self._loop
+                if loop is not None and not loop.is_closed():
+                    _launch(loop, lambda: self._write(key, span, ready, alloc, headroom), future)
+                else:  # no loop to run it: the caller's future ends all the same
+                    future.cancel()
         return future
 
     def submit_read(
@@ -639,10 +711,11 @@ class Pipeline:
         """
         loop = self._running_loop()  # first: it may raise, and then nothing is queued
         clock = self.read_clock
-        future: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
-        future.add_done_callback(lambda f: clock.ended(_landed_bytes(f)))
-        clock.started()
-        _launch(loop, lambda: self._read(key, record, alloc), future)
+        with held:  # NOTE [ Requests that an interrupt cannot split ]
+            future: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+            future.add_done_callback(lambda f: clock.ended(_landed_bytes(f)))
+            clock.started()
+            _launch(loop, lambda: self._read(key, record, alloc), future)
         return future
 
     def delete(self, key: int) -> None:
@@ -655,13 +728,14 @@ class Pipeline:
         loop = self._loop
         if loop is None or self._closed or loop.is_closed():
             return  # nothing was written, or close() removes every record
-        future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        future.add_done_callback(lambda _: self._deleting.pop(key, None))
-        self._deleting[key] = future
-        try:
-            _launch(loop, lambda: self._delete(key), future)
-        except RuntimeError:  # the loop closed since the check: so did the backend
-            self._deleting.pop(key, None)
+        with held:  # NOTE [ Requests that an interrupt cannot split ]
+            future: concurrent.futures.Future[None] = concurrent.futures.Future()
+            future.add_done_callback(lambda _: self._deleting.pop(key, None))
+            self._deleting[key] = future
+            try:
+                _launch(loop, lambda: self._delete(key), future)
+            except RuntimeError:  # the loop closed since the check: so did the backend
+                self._deleting.pop(key, None)
 
     @property
     def deleting(self) -> bool:

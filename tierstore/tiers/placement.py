@@ -27,6 +27,7 @@ from tierstore.config import ENV_PREFIX, human_bytes
 from tierstore.errors import TierFullError, TierstoreWarning
 from tierstore.stats import TIERS, Tier
 from tierstore.tiers.entry import Entry, TierState
+from tierstore.tiers.interrupts import held
 from tierstore.tiers.movers import Pipeline
 from tierstore.tiers.readahead import ReadAhead
 from tierstore.tiers.transfers import Transfers
@@ -83,18 +84,22 @@ class TierPlacement:
         self._writes = writes
         self.restrided_views = 0  # NOTE [ Spans ] in codec.py: views that come back dense
 
-    def land(self, entry: Entry, start: int) -> None:
-        """Rest ``entry`` in the fastest tier from ``TIERS[start]`` down that can take it."""
+    def land(self, entry: Entry, start: int, leaving: TierState | None = None) -> None:
+        """Rest ``entry`` in the fastest tier from ``TIERS[start]`` down that can take it.
+
+        ``leaving``: the tier it moves out of, let go of in the same step as
+        the new one takes it (:meth:`_rest`).
+        """
         for tier in TIERS[start:]:
             state = self.tiers[tier]
             if state.budget == 0 or self._skips(entry, tier):
                 continue
             if tier == "disk":
-                self._write_disk(entry)
+                self._write_disk(entry, leaving)
                 return
             if entry.nbytes <= state.budget:
                 self._make_room(tier, entry.nbytes)
-                self.hold(entry, tier)
+                self.hold(entry, tier, leaving)
                 return
         raise self._no_tier_error(entry, start)
 
@@ -109,10 +114,9 @@ class TierPlacement:
             oldest = state.oldest()
             if oldest is None:
                 return
-            self.land(oldest, below)  # raises, leaving `oldest` in place, if nothing takes it
-            state.remove(oldest, oldest.nbytes)
+            self.land(oldest, below, state)  # raises, leaving `oldest` where it is, if full
 
-    def hold(self, entry: Entry, tier: Tier) -> None:
+    def hold(self, entry: Entry, tier: Tier, leaving: TierState | None = None) -> None:
         """Rest ``entry`` in ``tier``, copied to the host pool if it goes there from the device."""
         if tier == "host" and entry.layout is None:
             span, layout = entry.span()
@@ -127,10 +131,31 @@ class TierPlacement:
                 self._writes.wait_all_locked()
                 self._transfers.to_host(entry, span)
             self._laid_out(entry, layout, tier, span.element_size())
-        entry.tier = tier
-        self.tiers[tier].add(entry, entry.nbytes)
+        with held:
+            self._rest(entry, tier, entry.nbytes, leaving)
 
-    def _write_disk(self, entry: Entry) -> None:
+    def _rest(
+        self,
+        entry: Entry,
+        tier: Tier,
+        size: int,
+        leaving: TierState | None,
+        *,
+        written: bool = True,
+    ) -> None:
+        """Out of ``leaving`` and into ``tier`` in one step; the caller holds interrupts.
+
+        NOTE [ Interrupts held ] in tiers/interrupts.py: an entry whose
+        ``tier`` is set is in that tier's table, and in no other, whatever
+        Ctrl-C stops, so that letting go of it (put()'s ``except``, a
+        release) finds it where it looks.
+        """
+        if leaving is not None:
+            leaving.remove(entry, entry.nbytes)
+        entry.tier = tier
+        self.tiers[tier].add(entry, size, written=written)
+
+    def _write_disk(self, entry: Entry, leaving: TierState | None = None) -> None:
         self._pipeline.check_alive()  # before anything changes: a dead thread writes nothing
         state = self.tiers["disk"]
         self._reads.drop(entry.key)  # a copy back from the host tier
@@ -154,10 +179,11 @@ class TierPlacement:
         # NOTE [ Write staging ]: nothing is staged for a write put() waits for.
         self._transfers.to_host(entry, span, staged=not self._writes.synchronous)
         self._laid_out(entry, layout, "disk", span.element_size())
-        entry.tier = "disk"
-        entry.footprint = reserve
-        state.add(entry, reserve, written=False)  # NOTE [ Write-behind ]: counted when written
-        self._writes.submit(entry)  # waited for by put() when synchronous
+        with held:
+            # NOTE [ Write-behind ]: counted as written when it is
+            self._rest(entry, "disk", reserve, leaving, written=False)
+            entry.footprint = reserve
+            self._writes.submit(entry)  # waited for by put() when synchronous
 
     def _laid_out(self, entry: Entry, layout: codec.Layout, tier: Tier, itemsize: int) -> None:
         """Give ``entry`` the layout it rests in; a view that comes back dense is never silent.
@@ -182,8 +208,7 @@ class TierPlacement:
             oldest = device.oldest() if device.bytes > device.budget else None
             if oldest is None:
                 return False
-            self.land(oldest, TIERS.index("host"))  # raises, leaving it in place, if full
-            device.remove(oldest, oldest.nbytes)
+            self.land(oldest, TIERS.index("host"), device)  # raises, leaving it in place, if full
         return True
 
     def _no_tier_error(self, entry: Entry, start: int) -> TierFullError:

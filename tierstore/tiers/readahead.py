@@ -29,6 +29,7 @@ from tierstore import codec
 from tierstore.config import TierConfig
 from tierstore.errors import TierstoreError
 from tierstore.tiers.entry import Entry, TierState
+from tierstore.tiers.interrupts import held
 from tierstore.tiers.schedule import Schedule
 from tierstore.tiers.sizing import InFlightLimit
 from tierstore.tiers.transfers import DeviceCopy, Transfers
@@ -62,6 +63,19 @@ __all__ = ["ReadAhead"]
 # tensors fill the limit, one read is still kept in flight, so backward
 # always has the next entry coming (none with prefetch_bytes=0, which turns
 # read-ahead off).
+
+# NOTE [ A read handed to backward ]
+# An unpack whose entry is on disk takes its read (ahead, or on demand) out
+# of the window under the lock, counts its bytes as held, and waits for it
+# with the lock released (finish). Ctrl-C can land between the two, and the
+# wait that would have tied the bytes to the tensor never runs: the read,
+# its leased buffer and its held bytes would stay for good, shrinking every
+# later read-ahead window. So the read is kept in `_demand` from the moment
+# it is handed out (in one hold: NOTE [ Interrupts held ] in
+# tiers/interrupts.py) until the wait ties its bytes to the tensor, and
+# whichever comes first, the wait's end or the entry's release (the graph
+# that an interrupted backward drops), takes it out with one dict.pop and
+# settles the bytes; the other finds nothing to do.
 
 # NOTE [ Hits ]
 # A prefetch is a hit only if its bytes had landed when backward asked: the
@@ -167,6 +181,18 @@ class ReadAhead:
         ahead = self.take(key)
         if ahead is not None:
             self._forget(ahead)
+
+    def released(self, entry: Entry) -> None:
+        """``entry`` was let go of: forget its reads, the one handed to backward too.
+
+        A read handed to backward that no wait took over (an interrupt came
+        first: NOTE [ A read handed to backward ]) gives its bytes back.
+        """
+        self.drop(entry.key)
+        handed = self._demand.pop(entry.key, None)
+        if handed is not None:
+            handed.cancel()
+            self.held_bytes -= entry.nbytes
 
     def hold(self, tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
         """Charge ``nbytes`` to the window until ``tensor`` is freed; returns ``tensor``.
@@ -304,20 +330,21 @@ class ReadAhead:
             assert in_memory is not None
             copy = self._transfers.device_copy(in_memory, entry.device, entry.ready)
             return self._restore(entry, self._transfers.consume(copy))
-        if ahead is not None:
-            assert not isinstance(ahead, DeviceCopy)
-            future = ahead
-        else:
-            source = entry.record if entry.record is not None else entry.writing
-            assert source is not None
-            future = self._read(entry, source)
+        with held:  # NOTE [ A read handed to backward ]
+            if ahead is not None:
+                assert not isinstance(ahead, DeviceCopy)
+                future = ahead
+            else:
+                source = entry.record if entry.record is not None else entry.writing
+                assert source is not None
+                future = self._read(entry, source)
+            # Held from now on (finish() ties it to the tensor), so that the
+            # top-up below leaves room for it.
             self._demand[entry.key] = future
+            self.held_bytes += entry.nbytes
         self.arrived(entry, ahead=ahead is not None, landed=future.done(), first=first)
         if self._disk is not None:
             self._disk.read += entry.footprint
-        # Held from now on (finish() ties it to the tensor), so that the
-        # top-up below leaves room for it.
-        self.held_bytes += entry.nbytes
         self._top_up_after(first)
         return future
 
@@ -365,15 +392,22 @@ class ReadAhead:
         future: concurrent.futures.Future[torch.Tensor],
         lock: threading.Lock,
     ) -> torch.Tensor:
-        """Wait for ``future`` (the caller holds no lock), then the entry's tensor."""
+        """Wait for ``future`` (the caller holds no lock), then the entry's tensor.
+
+        NOTE [ A read handed to backward ]: the first of this wait and the
+        entry's release to take the read back from ``_demand`` settles its bytes.
+        """
         try:
             out = self._wait(entry, future, lock)
+            with lock, held:
+                if self._demand.pop(entry.key, None) is None:  # released meanwhile
+                    self.held_bytes += entry.nbytes
+                return entry.remember(self._until_freed(out, entry.nbytes))
         except BaseException:
-            with lock:
-                self.held_bytes -= entry.nbytes  # counted by from_disk; nothing came back
+            with lock, held:
+                if self._demand.pop(entry.key, None) is not None:
+                    self.held_bytes -= entry.nbytes  # counted by from_disk; nothing came back
             raise
-        with lock:
-            return entry.remember(self._until_freed(out, entry.nbytes))
 
     def _wait(
         self,
@@ -386,12 +420,12 @@ class ReadAhead:
         try:
             with torch.profiler.record_function("tierstore::unpack_wait"):
                 self._pipeline.wait([future])  # NOTE [ Movers ]
-                span = _result(future)  # close() waits for reads under way: never cancelled
+                with held:  # done: result() only takes its condition (NOTE [ Interrupts held ])
+                    span = _result(future)  # close() waits for reads under way: never cancelled
         finally:
             waited = time.perf_counter() - start
             with lock:
                 self.unpack_wait_s += waited
-                self._demand.pop(entry.key, None)
         copy = self._transfers.device_copy(span, entry.device)
         return self._restore(entry, self._transfers.consume(copy))
 

@@ -24,6 +24,7 @@ from tierstore.config import ENV_PREFIX, TierConfig, human_bytes
 from tierstore.errors import DISK_HINT, TierstoreError, TierstoreWarning, quoted
 from tierstore.stats import Tier
 from tierstore.tiers.entry import Entry, TierState
+from tierstore.tiers.interrupts import held
 from tierstore.tiers.sizing import InFlightLimit
 from tierstore.tiers.transfers import Transfers
 
@@ -149,36 +150,38 @@ class WriteBehind:
         """Queue ``entry``'s bytes (``entry.tensor``, reserved on disk already) for writing."""
         assert self._pipeline is not None and entry.tensor is not None
         # Held before the write is queued, and queued whatever stops this call:
-        # NOTE [ Requests that an interrupt cannot split ] in tiers/movers.py.
-        # The three assignments run no bytecode an interrupt lands at.
-        future: concurrent.futures.Future[Record] = concurrent.futures.Future()
-        entry.writing = future
-        self._writing[entry.key] = entry
-        self.queued_bytes += entry.nbytes
-        done: Callable[[concurrent.futures.Future[Record]], None] | None = None
-        scratch: codec.Alloc | None = None
-        try:
+        # NOTE [ Requests that an interrupt cannot split ] in tiers/movers.py,
+        # and no interrupt in between where tierstore holds them (NOTE
+        # [ Interrupts held ] in tiers/interrupts.py).
+        with held:
+            future: concurrent.futures.Future[Record] = concurrent.futures.Future()
+            entry.writing = future
+            self._writing[entry.key] = entry
+            self.queued_bytes += entry.nbytes
+            done: Callable[[concurrent.futures.Future[Record]], None] | None = None
+            scratch: codec.Alloc | None = None
+            try:
 
-            def written(future: concurrent.futures.Future[Record]) -> None:
-                # On the I/O thread, without the lock: assignments only.
-                if not future.cancelled() and future.exception() is None:
-                    entry.record = future.result()
-                    entry.let_go_of_original()
-                    entry.tensor = None  # the memory goes now, not at the next call
+                def written(future: concurrent.futures.Future[Record]) -> None:
+                    # On the I/O thread, without the lock: assignments only.
+                    if not future.cancelled() and future.exception() is None:
+                        entry.record = future.result()
+                        entry.let_go_of_original()
+                        entry.tensor = None  # the memory goes now, not at the next call
 
-            done = written
-            assert self._transfers is not None
-            scratch = self._transfers.allocator(entry.tensor.device)  # compression's, on a CPU
-        finally:
-            self._pipeline.submit_write(
-                entry.key,
-                entry.tensor,
-                done,
-                entry.ready,
-                scratch,
-                headroom=entry.staged,
-                future=future,
-            )
+                done = written
+                assert self._transfers is not None
+                scratch = self._transfers.allocator(entry.tensor.device)  # compression's, on a CPU
+            finally:
+                self._pipeline.submit_write(
+                    entry.key,
+                    entry.tensor,
+                    done,
+                    entry.ready,
+                    scratch,
+                    headroom=entry.staged,
+                    future=future,
+                )
 
     def futures(self, *, dead_only: bool = False) -> list[concurrent.futures.Future[Record]]:
         """Writes under way (of released entries only, with ``dead_only``)."""
@@ -191,7 +194,8 @@ class WriteBehind:
     def wait(self, futures: list[concurrent.futures.Future[Record]], unlocked: Unlocked) -> float:
         """Wait for writes with the lock released, then settle them; returns seconds waited."""
         assert self._pipeline is not None
-        pending = [f for f in futures if not f.done()]
+        with held:  # done() takes each future's condition: NOTE [ Interrupts held ]
+            pending = [f for f in futures if not f.done()]
         start = time.perf_counter()
         if pending:
             pipeline = self._pipeline
@@ -236,16 +240,17 @@ class WriteBehind:
         """Settle finished writes (NOTE [ Write-behind ])."""
         if not self._writing:  # every lock of the manager drains: most find nothing
             return
-        for key in [k for k, e in self._writing.items() if e.writing and e.writing.done()]:
-            entry = self._writing.pop(key)
-            future, entry.writing = entry.writing, None
-            assert future is not None
-            self.queued_bytes -= entry.nbytes
-            error = None if future.cancelled() else future.exception()
-            if future.cancelled() or error is not None:
-                self._failed(entry, error)
-            else:
-                self._landed(entry, future.result())
+        with held:  # NOTE [ Interrupts held ] in tiers/interrupts.py
+            for key in [k for k, e in self._writing.items() if e.writing and e.writing.done()]:
+                entry = self._writing.pop(key)
+                future, entry.writing = entry.writing, None
+                assert future is not None
+                self.queued_bytes -= entry.nbytes
+                error = None if future.cancelled() else future.exception()
+                if future.cancelled() or error is not None:
+                    self._failed(entry, error)
+                else:
+                    self._landed(entry, future.result())
 
     def _landed(self, entry: Entry, record: Record) -> None:
         assert self._pipeline is not None and self._transfers is not None
