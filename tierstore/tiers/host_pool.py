@@ -53,8 +53,8 @@ NOTE [ Pool blocks and interrupts ]
 A Ctrl-C raises ``KeyboardInterrupt`` at whatever bytecode the main thread
 runs next, and that may be in the middle of handing a block out or putting
 one back: the allocator's free list then no longer matches the blocks out,
-and the block is lost for the life of the pool (one run lost 36 KiB in one
-interrupt of 160). The pool does not try to make each step atomic. It keeps
+and the block is lost for the life of the pool (a CI run of the Ctrl-C
+test lost 36 KiB so). The pool does not try to make each step atomic. It keeps
 the truth apart from the bookkeeping: a block is out while its lease is in
 ``_leases`` or the block itself in ``_taken``; a single dict operation, which
 no interrupt splits, adds it there as it is handed out and takes it away as
