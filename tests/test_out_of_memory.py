@@ -191,8 +191,14 @@ def test_out_of_memory_and_retry_leaves_nothing_behind_and_the_retry_completes(
     remaking = runner._checker._remaking  # a plan remade off the thread: ready first
     if remaking is not None:
         remaking.join()
-    for step in range(failing + 1, failing + 4):
+    # Back on a plan within a few steps. A step over its plan's budget on a
+    # busy machine (two cores shared with other work) runs the next one on the
+    # safe placement (NOTE [ A peak above the budget ] in planning/checker.py):
+    # up to four more steps for that, each still bitwise eager's.
+    for step in range(failing + 1, failing + 8):
         _same(_step(store, model, step, inside), _eager(step))
+        if step >= failing + 3 and runner.planned:
+            break
     plan = store.plan()
     assert plan is not None and runner.planned
     if kind == "planned" and when != "backward after":
