@@ -42,6 +42,19 @@ def default_sigint() -> Iterator[None]:
         signal.signal(signal.SIGINT, before)
 
 
+def _disk_store(tmp_path: Path) -> TierManager:
+    """A store whose every save goes to disk."""
+    return TierManager(
+        TierConfig(
+            device_budget=0,
+            host_budget=0,
+            disk_budget="1MiB",
+            disk_path=str(tmp_path),
+            min_offload_bytes=0,
+        )
+    )
+
+
 def test_an_interrupt_in_a_hold_is_raised_as_the_hold_ends(default_sigint: None) -> None:
     hold_interrupts()
     ran = []
@@ -92,15 +105,7 @@ def test_a_handler_of_the_users_is_left_alone(default_sigint: None, tmp_path: Pa
 def test_ctrl_c_while_releasing_an_entry_loses_no_release(
     default_sigint: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = TierManager(
-        TierConfig(
-            device_budget=0,
-            host_budget=0,
-            disk_budget="1MiB",
-            disk_path=str(tmp_path),
-            min_offload_bytes=0,
-        )
-    )
+    store = _disk_store(tmp_path)
     handles = [store.put(torch.full((256,), float(i))) for i in range(3)]
     assert store.stats().tiers["disk"].entries == 3
     release = Releases.release_locked
@@ -158,15 +163,7 @@ def test_ctrl_c_before_the_wait_for_a_read_gives_its_bytes_back(
 ) -> None:
     # NOTE [ A read handed to backward ] in tierstore/tiers/readahead.py: the
     # interrupt lands after the read was handed out, before its wait began.
-    store = TierManager(
-        TierConfig(
-            device_budget=0,
-            host_budget=0,
-            disk_budget="1MiB",
-            disk_path=str(tmp_path),
-            min_offload_bytes=0,
-        )
-    )
+    store = _disk_store(tmp_path)
     handle = store.put(torch.arange(8192.0))
     store.flush()  # on disk, not still in memory: the unpack reads it back
     finish = ReadAhead.finish
@@ -200,15 +197,7 @@ def test_ctrl_c_as_a_write_is_handed_over_still_queues_it(
     # NOTE [ Requests that an interrupt cannot split ] in tierstore/tiers/movers.py:
     # the write's future is the store's before the request is queued; a
     # request never queued would leave flush() waiting on it for good.
-    store = TierManager(
-        TierConfig(
-            device_budget=0,
-            host_budget=0,
-            disk_budget="1MiB",
-            disk_path=str(tmp_path),
-            min_offload_bytes=0,
-        )
-    )
+    store = _disk_store(tmp_path)
     submit = Pipeline.submit_write
 
     def interrupted(self: Pipeline, *args: object, **kwargs: object) -> object:
@@ -233,15 +222,7 @@ def test_ctrl_c_as_a_save_rests_in_its_tier_leaves_the_tables_whole(
 ) -> None:
     # An entry's tier and that tier's table change in one step (TierPlacement._rest):
     # put()'s `except` then finds it where it looks.
-    store = TierManager(
-        TierConfig(
-            device_budget=0,
-            host_budget=0,
-            disk_budget="1MiB",
-            disk_path=str(tmp_path),
-            min_offload_bytes=0,
-        )
-    )
+    store = _disk_store(tmp_path)
     add = TierState.add
 
     def interrupted(self: TierState, *args: object, **kwargs: object) -> None:

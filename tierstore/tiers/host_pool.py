@@ -53,18 +53,18 @@ NOTE [ Pool blocks and interrupts ]
 A Ctrl-C raises ``KeyboardInterrupt`` at whatever bytecode the main thread
 runs next, and that may be in the middle of handing a block out or putting
 one back: the allocator's free list then no longer matches the blocks out,
-and the block is lost for the life of the pool (a CI run of the Ctrl-C
-test lost 36 KiB so). The pool does not try to make each step atomic. It keeps
-the truth apart from the bookkeeping: a block is out while its lease is in
-``_leases`` or the block itself in ``_taken``; a single dict operation, which
-no interrupt splits, adds it there as it is handed out and takes it away as
-it is put back, and only then is the free list updated. A return is put back
-only if it is still in ``_leases``, and leaves the queue after that: an
-interrupt between the two never frees a block twice. Whenever the lock is
-taken and nothing is out, bytes still counted in use can only be bookkeeping
-an interrupt cut short, and the pool starts its chunks' free lists afresh
-(``_reset``): what one Ctrl-C mislaid comes back when the step that it
-interrupted has let go of its buffers.
+and the block is lost for the life of the pool. The pool does not try to
+make each step atomic. It keeps the truth apart from the bookkeeping: a
+block is out while its lease is in ``_leases`` or the block itself in
+``_taken``; a single dict operation, which no interrupt splits, adds it
+there as it is handed out and takes it away as it is put back, and only
+then is the free list updated. A return is put back only if it is still in
+``_leases``, and leaves the queue after that: an interrupt between the two
+never frees a block twice. Whenever the lock is taken and nothing is out,
+bytes still counted in use can only be bookkeeping an interrupt cut short,
+and the pool starts its chunks' free lists afresh (``_reset``): what one
+Ctrl-C mislaid comes back when the step that it interrupted has let go of
+its buffers.
 
 Unpinned chunks are private anonymous ``mmap`` memory (``PRIVATE`` in
 ``backends/_aligned.py`` says why not shared): only pages written to are resident,

@@ -10,9 +10,8 @@ interrupted inside ``put`` is let go of by its ``except`` (NOTE
 runs of bookkeeping cannot: releasing an entry whose handle died (its
 tier's bytes, its read ahead, its disk record) and putting a leased host
 buffer back. An interrupt in the middle leaves a table that no longer
-matches the memory; the training script of tests/test_interrupts.py, sent
-40 Ctrl-Cs a run, kept an entry on disk or 36 KiB of host pool that no one
-would ever let go of, three times in its first 211 interrupts.
+matches the memory: an entry on disk or a host buffer that no one would
+ever let go of.
 
 So, where SIGINT has Python's own handler (``signal.default_int_handler``,
 what every script starts with), the first store opened on the main thread
@@ -30,14 +29,14 @@ Signal handlers run only in the main thread, so a hold in any other thread
 does nothing and needs nothing.
 
 One window is CPython's own (before 3.13): ``Thread.is_alive()`` tries the
-thread's state lock without blocking, and an interrupt right after that
-try finds the lock "locked" (the living thread holds it), releases it for
-the thread and marks the thread stopped for good (the repair of bpo-45274
-taken where it does not apply). A store that asked whether its I/O thread
-lived as Ctrl-C came thought it dead and refused every save after (seen
-once in 40 Ctrl-Cs). So tierstore asks through :func:`alive`, in a hold;
-the I/O thread's own liveness is a flag the thread clears as it ends
-(NOTE [ A dead I/O thread ] in tiers/movers.py), which no interrupt touches.
+thread's state lock without blocking, and an interrupt right after that try
+finds the lock "locked" (the living thread holds it), releases it for the
+thread and marks the thread stopped for good (the repair of bpo-45274 taken
+where it does not apply): a store asking whether its I/O thread lives would
+think it dead and refuse every save after. So tierstore asks through
+:func:`alive`, in a hold; the I/O thread's own liveness is a flag the
+thread clears as it ends (NOTE [ A dead I/O thread ] in tiers/movers.py),
+which no interrupt touches.
 """
 
 from __future__ import annotations

@@ -125,11 +125,11 @@ _WAIT_SLICE_S = 0.05
 # reference callback written in Python, run by whichever thread drops the
 # task's last reference. asyncio's own chaining of a task to a
 # concurrent.futures.Future has the future hold the task (for cancelling
-# it), so the task died wherever the future did: on the training thread,
-# as a released entry let go of its write. A Ctrl-C landing in that
-# callback is printed as "Exception ignored" and lost: training went on
-# (seen once in 40 Ctrl-Cs). _chain holds the task only weakly from the
-# future, so it dies on the loop thread, where no signal handler runs.
+# it), so the task would die wherever the future does: on the training
+# thread, as a released entry lets go of its write. A Ctrl-C landing in that
+# callback is printed as "Exception ignored" and lost: training goes on.
+# _chain holds the task only weakly from the future, so it dies on the
+# loop thread, where no signal handler runs.
 
 # NOTE [ Requests that an interrupt cannot split ]
 # The training thread hands the I/O thread its writes, reads and deletes,
@@ -144,10 +144,10 @@ _WAIT_SLICE_S = 0.05
 # lands while it is being queued and the loop has not claimed it, it is
 # queued again (a second start finds nothing to claim) before the interrupt
 # goes on. So a request that was asked for runs, and its future ends: the
-# interrupt reaches the user, and the store's books stay whole. That still
-# left the bytecodes between a `finally` and the `try` of the call it makes
-# (a hang: a write never queued, its future waited on for good, seen once
-# in 40 Ctrl-Cs); so the hand-off, from the future made to the request
+# interrupt reaches the user, and the store's books stay whole. The
+# bytecodes between a `finally` and the `try` of the call it makes are a
+# window still (a write never queued, its future waited on for good); so
+# the hand-off, from the future made to the request
 # queued, runs in one hold (NOTE [ Interrupts held ] in tiers/interrupts.py)
 # wherever Python's own SIGINT handler is in place.
 
@@ -577,7 +577,7 @@ class Pipeline:
         # In slices, each in a hold: concurrent.futures.wait takes every
         # future's condition in Python code, and Ctrl-C landing there leaves
         # one held for good, and the I/O thread that ends that future stuck on
-        # it (seen once in 40 Ctrl-Cs). The interrupt comes as the slice ends,
+        # it. The interrupt comes as the slice ends,
         # within _WAIT_SLICE_S; a future that ends sooner ends the wait sooner.
         # NOTE [ Interrupts held ] in tiers/interrupts.py.
         with held:
