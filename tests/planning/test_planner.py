@@ -21,6 +21,7 @@ from tierstore.planning.planner import (
     Profile,
     Save,
     _MoveBounds,
+    default_plan,
     floor_bytes,
     from_graph,
     hands_heap_back,
@@ -620,6 +621,39 @@ def test_no_plan_is_slower_than_offloading_everything_where_that_fits() -> None:
             else:
                 below += 1
     assert compared > 50 and below > 50
+
+
+def _rebuilds_priced_cheaper() -> Profile:
+    """Four 1 MiB saves a rebuild prices below their trip out and back; a 1 MiB window."""
+    saves = tuple(
+        Save(MIB, "aten.mm", module, 0.1 * (i + 1), 0.1 * (4 - i), 0.01)
+        for i, module in enumerate("aabb")
+    )
+    return Profile(saves, 0.5, 0.5, 0.0, 1e8, 1e8, MIB, moved_s_per_byte=1e-8, shared_link=True)
+
+
+def test_the_default_once_measured_is_priced_at_its_measurement() -> None:
+    # NOTE [ The default is a plan ]: a trial step of the default puts its
+    # time in the profile, and every search after prices it at that, at the
+    # profile's window only; a trial above the budget rules it out.
+    profile = _rebuilds_priced_cheaper()
+    budget = int(2.5 * MIB)
+    searched = make_plan(profile, budget)
+    assert searched.choices == ("rebuild", "rebuild", "keep", "keep")
+    default = ("offload",) * 4
+    priced = simulate(profile, default, MIB)
+    assert priced.peak_bytes <= budget and priced.step_s > searched.predicted_step_s
+    measured = dataclasses.replace(profile, default_step_s=0.9)
+    assert simulate(measured, default, MIB).step_s == 0.9
+    assert simulate(measured, default, MIB // 2).step_s == simulate(profile, default, MIB // 2).step_s
+    assert simulate(measured, ("keep", *default[1:]), MIB).step_s != 0.9
+    plan = make_plan(measured, budget)
+    assert plan.choices == default and plan.window_bytes == MIB
+    assert plan.predicted_step_s == 0.9
+    ruled_out = dataclasses.replace(profile, default_step_s=math.inf)
+    assert default_plan(ruled_out, budget, 0) is None
+    assert make_plan(ruled_out, budget).choices == searched.choices
+    assert default_plan(profile, MIB, 0) is None  # its window holds more than 1 MiB
 
 
 def test_a_move_saves_no_more_than_its_bound() -> None:

@@ -54,6 +54,7 @@ from tierstore.planning.planner import (
     Plan,
     Profile,
     Save,
+    default_plan,
     make_plan,
     recorded_rebuilds,
     replayed,
@@ -860,6 +861,124 @@ def test_the_checks_go_on_while_the_plan_runs() -> None:
     assert runner.plan.predicted_step_s == pytest.approx(0.8)
     assert [runner._checker.refit(t) for t in (0.75, 0.85, 0.8)] == [None] * 3  # holds again
     assert runner.plan.predicted_step_s == pytest.approx(0.8)
+
+
+_FOUR = (1 << 20,) * 4
+
+
+def _trial_runner() -> tuple[PlanRunner, Plan]:
+    """A runner at its first planned step on a searched plan that rebuilds, the default fitting.
+
+    Four 1 MiB saves whose rebuild the profile prices below their trip out
+    and back, a 1 MiB window, a budget of 2.5 MiB (NOTE [ The default on trial ]).
+    """
+    mib = 1 << 20
+    saves = tuple(
+        Save(mib, "aten.mm", module, 0.1 * (i + 1), 0.1 * (4 - i), 0.01)
+        for i, module in enumerate("aabb")
+    )
+    profile = Profile(saves, 0.5, 0.5, 0.0, 1e8, 1e8, mib, moved_s_per_byte=1e-8, shared_link=True)
+    budget = int(2.5 * mib)
+    runner = PlanRunner(
+        tierstore.TierConfig(activation_budget=budget),
+        LinkClock(),
+        LinkClock(),
+        lambda: 0.0,
+        background=False,
+    )
+    searched = make_plan(profile, budget)
+    assert searched.choices == ("rebuild", "rebuild", "keep", "keep")
+    runner._use(_FOUR, searched)
+    return runner, searched
+
+
+@pytest.mark.parametrize("default_s", [0.9, 1.3])
+def test_the_default_is_tried_beside_a_searched_plan_and_the_profile_fitted_to_both(
+    default_s: float,
+) -> None:
+    # NOTE [ The default on trial ]: the searched plan's first check lets it
+    # stand; the next step runs every save offloaded, under the same budget;
+    # the two times fit the profile, the default is priced at its own, and
+    # the plan is remade on that profile (here at once: no background).
+    runner, searched = _trial_runner()
+    checker = runner._checker
+    default = default_plan(searched.profile, searched.budget_bytes, 0)
+    assert default is not None and default.predicted_step_s > searched.predicted_step_s
+    searched_s = searched.predicted_step_s  # as predicted: no error of its own
+    line = checker.ended(searched_s, 2 << 20)
+    assert line == (
+        "tierstore: trying for one step every save offloaded, as without a budget, predicted "
+        f"{default.predicted_step_s:.3f} s, peak 2.0 MiB, beside the plan that keeps 2.0 MiB, "
+        f"offloads 0 B and rebuilds 2.0 MiB, measured {searched_s:.3f} s"
+    )
+    assert runner.plan is not None and runner.plan.choices == ("offload",) * 4
+    assert runner._plans[_FOUR] is searched  # not carried over to other shapes meanwhile
+    line = checker.ended(default_s, 2 << 20)
+    assert line is not None
+    verdict, remade = line.split("\n")
+    winner = "the default runs" if default_s < searched_s else "the plan searched runs"
+    assert verdict == (
+        "tierstore: plan kept for activation_budget=2621440: every save offloaded, as "
+        f"without a budget, measured {default_s:.3f} s a step, the plan searched "
+        f"{searched_s:.3f} s; {winner}"
+    )
+    assert remade.startswith("tierstore: plan remade for activation_budget=2621440")
+    plan = runner.plan
+    assert plan is not None and runner._plans[_FOUR] is plan
+    profile = plan.profile
+    assert profile.default_step_s == default_s
+    # The searched plan's own error (none here) would scale the compute; the
+    # default's is charged to the bytes it moves beyond it, never below 0.
+    expected_per_byte = max(0.0, 1e-8 + (default_s - default.predicted_step_s) / (8 << 20))
+    assert profile.moved_s_per_byte == pytest.approx(expected_per_byte)
+    assert profile.forward_s == pytest.approx(0.5)
+    if default_s < searched_s:
+        assert plan.choices == ("offload",) * 4 and plan.predicted_step_s == default_s
+    else:
+        assert plan.choices == searched.choices
+    # Once per profile: the checks go on, and no step runs the default again.
+    for _ in range(2 * REFIT_STEPS):
+        checker.ended(plan.predicted_step_s, 2 << 20)
+        assert runner.plan is plan
+
+
+def test_a_default_on_trial_above_the_budget_is_never_chosen_again() -> None:
+    runner, searched = _trial_runner()
+    assert runner._checker.ended(1.0, 2 << 20) is not None
+    line = runner._checker.ended(0.5, 4 << 20)  # faster, but it held all four saves
+    assert line == (
+        "tierstore: plan kept for activation_budget=2621440: every save offloaded held "
+        "4.0 MiB, above the budget (2.5 MiB); the plan searched runs"
+    )
+    assert runner.plan is searched and searched.profile.default_step_s == math.inf
+    assert make_plan(searched.profile, searched.budget_bytes).choices == searched.choices
+
+
+def test_a_trial_another_plan_ran_instead_of_is_not_judged_and_runs_again() -> None:
+    # A step of another shape carries the kept plan over and leaves it the
+    # runner's (PlanRunner._carried_ended): that step judged nothing.
+    runner, searched = _trial_runner()
+    assert runner._checker.ended(1.0, 2 << 20) is not None
+    runner.plan = searched
+    assert runner._checker.ended(1.0, 2 << 20) is not None  # tried again
+    assert runner.plan is not None and runner.plan.choices == ("offload",) * 4
+    assert searched.profile.default_step_s is None
+
+
+def test_no_trial_where_the_default_does_not_fit_or_the_plan_keeps_everything() -> None:
+    runner, searched = _trial_runner()
+    plan = make_plan(searched.profile, 3 << 19)  # 1.5 MiB: the default holds 2 MiB
+    assert "rebuild" in plan.choices
+    runner._use(_FOUR, plan)
+    as_predicted = (plan.predicted_step_s, plan.predicted_peak_bytes)
+    assert [runner._checker.ended(*as_predicted) for _ in range(4)] == [None] * 4
+    assert runner.plan is plan
+    everything = make_plan(searched.profile, 4 << 20)
+    assert everything.keeps_everything
+    runner._checker.forget(_FOUR)
+    runner._use(_FOUR, everything)
+    assert [runner._checker.ended(1.0, 4 << 20) for _ in range(4)] == [None] * 4
+    assert runner.plan is everything
 
 
 @pytest.mark.parametrize("cuda", [False, True])

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -24,7 +25,9 @@ from tierstore.config import ENV_PREFIX, human_bytes
 from tierstore.planning.planner import (
     Plan,
     Profile,
+    default_plan,
     fits_everything,
+    is_default,
     make_plan,
     offloaded_saves,
     recorded_rebuilds,
@@ -177,6 +180,34 @@ _POLL_S = 0.02
 # or more is not judged; the step after it is, alone, as the first would
 # have been; a plan slow on both is charged the excess, as above.
 
+# NOTE [ The default on trial ]
+# Where a shape's plan was searched (it rebuilds, or keeps part and offloads
+# the rest) and what a store without a budget does, every save offloaded at
+# the profile's window, fits the plan's budget, the two are measured side by
+# side once (NOTE [ The default is a plan ] in planning/planner.py says why
+# a price alone cannot settle it): after the plan's first check has let it
+# stand, the next step of the shape runs the default (_try_default), held
+# to the same budget, and is judged against the searched plan's step just
+# before it (_judge_trial). Two plans measured fit two unknowns of the
+# profile (_calibrated): the searched plan's error scales the compute, as a
+# check would; what the default is off by after that is charged to what it
+# moves beyond the searched plan (per byte on a CPU, per save on a device:
+# NOTE [ Charging a slow step ]), never below nothing; and the default is
+# priced at what it measured (Profile.default_step_s). The faster of the
+# two runs while the plan is remade on that profile: a search that now
+# prices offloading as it ran finds the plans between the two (the default
+# keeping what the budget has room for beside its window) that neither
+# price found, and checks the result as any new plan, its first step alone.
+# A trial step that held more than the budget prices the default at
+# math.inf. The default in use is checked as any plan: a check that finds
+# it off takes its median as the default's price, and one slower than
+# before searches again against it. Only the shape's own steps judge a
+# trial: its plan stays the searched one among the kept plans meanwhile,
+# so a step of another shape carries that over, and a step that ran any
+# plan but the trial's ends the trial unjudged, to be tried after the next
+# check. Once per profile: a step of one more, at most, where the default is
+# slower, and the same budget held.
+
 #: How far a prediction may be off before the plan is made again.
 REFIT_TOLERANCE = 0.10
 #: How far off a check acts on at once, without waiting for the next to agree.
@@ -216,6 +247,10 @@ class _Checks:
     # that counts them and is over still warns (NOTE [ A peak above the budget ]).
     peak_fixed: int | None = None
     peak_excess: int = 0  # the excess those fixed bytes hold, all remakes together
+    # NOTE [ The default on trial ]: whether the default was tried; while its step
+    # runs, (the plan searched, that plan's step time, the default on trial).
+    tried: bool = False
+    trial: tuple[Plan, float, Plan] | None = None
 
 
 class PlanChecker:
@@ -300,12 +335,85 @@ class PlanChecker:
         the budget ]).
         """
         runner = self._runner
+        checks = self._checks.setdefault(runner._expected, _Checks())
+        if checks.trial is not None:
+            if runner.plan is checks.trial[2]:
+                return self._judge_trial(checks, measured, peak_bytes)
+            # It ran another plan: unjudged, tried again (NOTE [ The default on trial ]).
+            checks.trial, checks.tried = None, False
         plan = runner.plan
         if self.over_budget(peak_bytes):
             line = self.check_peak(peak_bytes)
             if runner._falling_back or runner.plan is not plan:
                 return line
-        return self.refit(measured)
+        return self.refit(measured) or self._try_default(checks, measured)
+
+    def _try_default(self, checks: _Checks, measured: float) -> str | None:
+        """Put the default on trial for the next step, where due: its INFO line.
+
+        NOTE [ The default on trial ]. ``measured``: the step just ended, on
+        the plan in use.
+        """
+        runner = self._runner
+        plan = runner.plan
+        assert plan is not None
+        if (
+            checks.tried
+            or not checks.checked
+            or self.making()
+            or self.remade is not None
+            or runner._falling_back
+            or plan.keeps_everything
+            or is_default(plan.profile, plan.choices, plan.window_bytes)
+        ):
+            return None
+        checks.tried = True
+        default = default_plan(plan.profile, plan.budget_bytes, plan.floor_bytes)
+        if default is None or plan.profile.default_step_s is not None:
+            return None  # it does not fit, or it ran already
+        checks.trial = (plan, measured, default)
+        runner._use(runner._expected, default, kept=False)
+        by = plan.bytes_by_choice()
+        return (
+            f"tierstore: trying for one step every save offloaded, as without a budget, "
+            f"predicted {default.predicted_step_s:.3f} s, peak "
+            f"{human_bytes(default.predicted_peak_bytes)}, beside the plan that keeps "
+            f"{human_bytes(by['keep'])}, offloads {human_bytes(by['offload'])} and rebuilds "
+            f"{human_bytes(by['rebuild'])}, measured {measured:.3f} s"
+        )
+
+    def _judge_trial(self, checks: _Checks, measured: float, peak_bytes: int) -> str:
+        """The default's trial step ended: the profile calibrated, the plan remade; its INFO line.
+
+        NOTE [ The default on trial ]: the faster of the two measured runs
+        until the plan remade on the calibrated profile is ready.
+        """
+        assert checks.trial is not None
+        searched, searched_s, default = checks.trial
+        checks.trial = None
+        runner = self._runner
+        head = f"tierstore: plan kept for activation_budget={runner.asked!r}: "
+        if self.over_budget(peak_bytes):
+            searched.profile = replace(searched.profile, default_step_s=math.inf)
+            runner._use(runner._expected, searched)
+            return head + (
+                f"every save offloaded held {human_bytes(peak_bytes)}, above the budget "
+                f"({human_bytes(default.budget_bytes)}); the plan searched runs"
+            )
+        profile = _calibrated(searched, searched_s, default, measured)
+        faster = default if measured < searched_s else searched
+        outcome = simulate(profile, faster.choices, faster.window_bytes)
+        faster.profile, faster.predicted_step_s = profile, outcome.step_s
+        runner._use(runner._expected, faster)
+        checks.times.clear()  # the plan remade is checked afresh, its first step alone
+        checks.checked, checks.off = False, 0.0
+        line = head + (
+            f"every save offloaded, as without a budget, measured {measured:.3f} s a step, "
+            f"the plan searched {searched_s:.3f} s; "
+            + ("the default runs" if faster is default else "the plan searched runs")
+        )
+        remade = self.remake(profile, searched.budget_bytes)
+        return line if remade is None else f"{line}\n{remade}"
 
     def close(self) -> None:
         """Drop a plan still being made and end the planning process. Idempotent.
@@ -555,6 +663,15 @@ class PlanChecker:
         checks.off = 0.0
         checks.times.clear()
         profile = plan.profile
+        if profile.default_step_s is not None and is_default(
+            profile, plan.choices, plan.window_bytes
+        ):
+            # The default kept on trial: its price is what it measures, and a
+            # dearer one is weighed against the search again (NOTE [ The default on trial ]).
+            profile = replace(profile, default_step_s=basis)
+            if basis > plan.predicted_step_s:
+                return self.remake(profile)
+            return self._rescaled(profile)
         if basis > plan.predicted_step_s:
             # Slower than predicted: the excess is charged to the moved bytes
             # and to the rebuilds replayed op by op (NOTE [ Replayed modules ]
@@ -588,6 +705,34 @@ class PlanChecker:
                     )
                 return self.remake(profile)
         return self._rescaled(_scaled(profile, basis / plan.predicted_step_s))
+
+
+def _calibrated(searched: Plan, searched_s: float, default: Plan, default_s: float) -> Profile:
+    """``searched``'s profile fitted to the two steps measured side by side.
+
+    NOTE [ The default on trial ]: the compute scaled by the searched plan's
+    own error, as a check would take it; what is left of the default's,
+    charged to what the default moves beyond the searched plan (per byte on
+    a CPU, per save on a device, never below nothing); and the default
+    priced at what it measured.
+    """
+    profile = searched.profile
+    if searched.predicted_step_s > 0:
+        profile = _scaled(profile, searched_s / searched.predicted_step_s)
+    left = default_s - simulate(profile, default.choices, default.window_bytes).step_s
+    if profile.shared_link:  # a CPU: the copies' and checksums' time is its cores'
+        more = 2 * (default.bytes_by_choice()["offload"] - searched.bytes_by_choice()["offload"])
+        if more > 0:
+            per_byte = max(0.0, profile.moved_s_per_byte + left / more)
+            profile = replace(profile, moved_s_per_byte=per_byte)
+    else:  # NOTE [ Charging a slow step ]: per save
+        more = offloaded_saves(profile, default.choices) - offloaded_saves(
+            profile, searched.choices
+        )
+        if more > 0:
+            per_save = max(0.0, profile.moved_s_per_save + left / more)
+            profile = replace(profile, moved_s_per_save=per_save)
+    return replace(profile, default_step_s=default_s)
 
 
 def _scaled(profile: Profile, factor: float) -> Profile:

@@ -33,6 +33,7 @@ __all__ = [
     "Save",
     "from_graph",
     "hands_heap_back",
+    "is_default",
     "kept_whole",
     "offloaded_saves",
     "recorded_rebuilds",
@@ -149,6 +150,21 @@ def recorded_rebuilds(profile: Profile, choices: Sequence[Choice]) -> int:
     return sum(c == "rebuild" for c in choices) - len(native | from_graph(profile, choices))
 
 
+def is_default(profile: Profile, choices: Sequence[Choice], window_bytes: int) -> bool:
+    """Whether ``choices`` at ``window_bytes`` is what a store without a budget does.
+
+    Every save offloaded, through the profile's own window: NOTE [ The
+    default is a plan ] in planning/planner.py.
+
+    Example:
+        >>> from tierstore.planning.planner import Profile, Save, is_default
+        >>> p = Profile((Save(10, "aten.mm", "m", 0.0, 0.0),) * 2, 1.0, 1.0, 0.0, 1e9, 1e9, 64)
+        >>> is_default(p, ("offload", "offload"), 64), is_default(p, ("offload", "keep"), 64)
+        (True, False)
+    """
+    return window_bytes == profile.window_bytes and all(c == "offload" for c in choices)
+
+
 def from_graph(profile: Profile, choices: Sequence[Choice]) -> set[int]:
     """The saves ``choices`` rebuilds from the autograd graph, with no recorder.
 
@@ -255,6 +271,12 @@ class Profile:
             checks on a CPU hold to the profile's (NOTE [ Like with like ]
             in tierstore/planning/runner.py); ``None`` where the profiled step's backward
             was not seen to end. The planner does not read it.
+        default_step_s: what a step offloading every save at ``window_bytes``
+            (what a store without a budget does) measured, where one ran on
+            trial beside the plan searched: the planner prices that plan at
+            it, not at its simulation (NOTE [ The default is a plan ] in
+            planning/planner.py); ``math.inf`` where it held more than its
+            budget; ``None`` until measured.
     """
 
     saves: tuple[Save, ...]
@@ -273,6 +295,7 @@ class Profile:
     stays_in: tuple[tuple[str, str, int, int], ...] = ()
     stored_in: tuple[str, ...] = ()
     between_s: float | None = None
+    default_step_s: float | None = None
 
     @cached_property
     def spans(self) -> tuple[tuple[str, int, int], ...]:

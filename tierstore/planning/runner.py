@@ -610,7 +610,13 @@ class PlanRunner(StepLimits):
                 return True
         return False
 
-    def _use(self, expected: tuple[int, ...], plan: Plan) -> None:
+    def _use(self, expected: tuple[int, ...], plan: Plan, *, kept: bool = True) -> None:
+        """Run ``plan`` for the shape ``expected`` from the next step.
+
+        ``kept``: as that shape's kept plan; not a plan on trial, which
+        other shapes do not carry over (NOTE [ The default on trial ] in
+        planning/checker.py).
+        """
         replaced = self._plans.get(expected)
         if replaced is not None and replaced is not plan and plan.measured_step_s is None:
             # Until a step runs on it, the table shows what the last one measured.
@@ -621,6 +627,8 @@ class PlanRunner(StepLimits):
             self._kept_before = _kept_before(expected, plan)
         self._falling_back = False  # a plan in use (fall_back)
         self.plan, self._expected = plan, expected
+        if not kept:
+            return
         self._plans[expected] = plan
         self._plans.move_to_end(expected)
         while len(self._plans) > PLANS_KEPT:
