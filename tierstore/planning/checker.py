@@ -189,24 +189,35 @@ _POLL_S = 0.02
 # stand, the next step of the shape runs the default (_try_default), held
 # to the same budget, and is judged against the searched plan's step just
 # before it (_judge_trial). Two plans measured fit two unknowns of the
-# profile (_calibrated): the searched plan's error scales the compute, as a
-# check would; what the default is off by after that is charged to what it
-# moves beyond the searched plan (per byte on a CPU, per save on a device:
-# NOTE [ Charging a slow step ]), never below nothing; and the default is
+# profile (_calibrated). The default rebuilds nothing, and its moves are
+# priced from what the profiled step's own I/O measured (the link's clocks,
+# the I/O threads' CPU time), so its time fits the compute: the profiled
+# step's compute ran slowed by its recording, which every plan's price
+# held. What the searched plan is then off by goes to what it does that the
+# default does not: its rebuilds (a block rebuilt runs slower than its
+# forward did), or else keeping what the default moves (the price of a
+# moved byte, per byte on a CPU, per save on a device: NOTE [ Charging a
+# slow step ]; never below nothing, the compute fitted again). Each scale
+# stays within 4x of the profile's: two steps are noisy. The default is
 # priced at what it measured (Profile.default_step_s). The faster of the
-# two runs while the plan is remade on that profile: a search that now
-# prices offloading as it ran finds the plans between the two (the default
-# keeping what the budget has room for beside its window) that neither
-# price found, and checks the result as any new plan, its first step alone.
-# A trial step that held more than the budget prices the default at
-# math.inf. The default in use is checked as any plan: a check that finds
-# it off takes its median as the default's price, and one slower than
-# before searches again against it. Only the shape's own steps judge a
-# trial: its plan stays the searched one among the kept plans meanwhile,
-# so a step of another shape carries that over, and a step that ran any
-# plan but the trial's ends the trial unjudged, to be tried after the next
-# check. Once per profile: a step of one more, at most, where the default is
-# slower, and the same budget held.
+# two runs while the plan is remade on the fitted profile: a search that
+# prices both as they ran finds the plans between them (the default
+# keeping what its window leaves room for) that neither price found; the
+# search is greedy, so the faster of the two stays where the search's best
+# is predicted slower. The plan remade is checked as any new plan, its
+# first step alone. A trial step that held more than the budget prices
+# the default at math.inf. The default in use is checked as any plan: a
+# check that finds it off takes its median as the default's price, and
+# one slower than before searches again against it. Only the shape's own
+# steps judge a trial: its plan stays the searched one among the kept
+# plans meanwhile, so a step of another shape carries that over, and a
+# step that ran any plan but the trial's ends the trial unjudged, to be
+# tried after the next check. Once per profile: a step of one more, at
+# most, where the default is slower, and the same budget held.
+
+#: The least a trial scales the profile's compute or rebuilds by, and 1/it the most
+#: (NOTE [ The default on trial ]): a fit to two noisy steps, not a new profile.
+_LEAST_SCALE = 0.25
 
 #: How far a prediction may be off before the plan is made again.
 REFIT_TOLERANCE = 0.10
@@ -412,7 +423,7 @@ class PlanChecker:
             f"the plan searched {searched_s:.3f} s; "
             + ("the default runs" if faster is default else "the plan searched runs")
         )
-        remade = self.remake(profile, searched.budget_bytes)
+        remade = self.make(profile, "remade", searched.budget_bytes, beside=faster)
         return line if remade is None else f"{line}\n{remade}"
 
     def close(self) -> None:
@@ -438,6 +449,7 @@ class PlanChecker:
         verb: str,
         budget: int | None = None,
         expected: tuple[int, ...] | None = None,
+        beside: Plan | None = None,
     ) -> str | None:
         """A plan for ``profile`` (NOTE [ Planning off the training thread ]): its INFO line.
 
@@ -445,6 +457,8 @@ class PlanChecker:
         thread; otherwise off the thread, the steps going on meanwhile
         (``None``: the line comes when the plan is adopted). ``expected``:
         the sizes of the profile's saves, where not the plan's under way.
+        ``beside``: a plan on ``profile`` the search's must beat, or it is
+        made again (the search is greedy: NOTE [ The default on trial ]).
         """
         if expected is None:
             expected = self._runner._expected
@@ -466,6 +480,7 @@ class PlanChecker:
                 plan = self._plan_in_process(profile, budget)
             else:
                 plan = make_plan(profile, budget)  # no search, or one here
+            plan = _no_slower(plan, beside)
             self._runner._use(expected, plan)
             return self._made(plan, verb)
         if self._remaking is not None and alive(self._remaking):
@@ -473,7 +488,7 @@ class PlanChecker:
 
         def in_process() -> None:
             try:
-                plan = self._plan_in_process(profile, budget)
+                plan = _no_slower(self._plan_in_process(profile, budget), beside)
             except (OSError, RuntimeError, ValueError):
                 return  # closed meanwhile: the process with it
             if not self._closed:
@@ -707,32 +722,70 @@ class PlanChecker:
         return self._rescaled(_scaled(profile, basis / plan.predicted_step_s))
 
 
+def _no_slower(plan: Plan, beside: Plan | None) -> Plan:
+    """``plan``, or ``beside`` where that fits its budget and is predicted no slower."""
+    if (
+        beside is None
+        or beside.predicted_peak_bytes > plan.budget_bytes
+        or beside.predicted_step_s > plan.predicted_step_s
+    ):
+        return plan
+    return replace(beside, budget_bytes=plan.budget_bytes, floor_bytes=plan.floor_bytes)
+
+
 def _calibrated(searched: Plan, searched_s: float, default: Plan, default_s: float) -> Profile:
     """``searched``'s profile fitted to the two steps measured side by side.
 
-    NOTE [ The default on trial ]: the compute scaled by the searched plan's
-    own error, as a check would take it; what is left of the default's,
-    charged to what the default moves beyond the searched plan (per byte on
-    a CPU, per save on a device, never below nothing); and the default
-    priced at what it measured.
+    NOTE [ The default on trial ]: the compute scaled to the default's time,
+    its moves priced as the profiled step's I/O measured them; then what the
+    searched plan is off by, charged to what it does that the default does
+    not: its rebuilds, or else keeping what the default moves (the price of
+    a moved byte, never below nothing, the compute fitted again). The
+    default is priced at what it measured.
     """
-    profile = searched.profile
-    if searched.predicted_step_s > 0:
-        profile = _scaled(profile, searched_s / searched.predicted_step_s)
-    left = default_s - simulate(profile, default.choices, default.window_bytes).step_s
-    if profile.shared_link:  # a CPU: the copies' and checksums' time is its cores'
+    profile = _compute_fitted(searched.profile, default, default_s)
+    left = searched_s - simulate(profile, searched.choices, searched.window_bytes).step_s
+    rebuilt = sum(
+        s.rebuild_s or 0.0
+        for s, choice in zip(profile.saves, searched.choices, strict=True)
+        if choice == "rebuild"
+    )
+    if rebuilt > 0:
+        dearer = max(1 + left / rebuilt, _LEAST_SCALE)
+        saves = tuple(
+            s if s.rebuild_s is None else replace(s, rebuild_s=s.rebuild_s * dearer)
+            for s in profile.saves
+        )
+        profile = replace(profile, saves=saves)
+    elif profile.shared_link:  # a CPU: the copies' and checksums' time is its cores'
         more = 2 * (default.bytes_by_choice()["offload"] - searched.bytes_by_choice()["offload"])
-        if more > 0:
-            per_byte = max(0.0, profile.moved_s_per_byte + left / more)
+        if more > 0:  # the bytes the default moves and the searched plan does not
+            per_byte = max(0.0, profile.moved_s_per_byte - left / more)
             profile = replace(profile, moved_s_per_byte=per_byte)
+            profile = _compute_fitted(profile, default, default_s)
     else:  # NOTE [ Charging a slow step ]: per save
         more = offloaded_saves(profile, default.choices) - offloaded_saves(
             profile, searched.choices
         )
         if more > 0:
-            per_save = max(0.0, profile.moved_s_per_save + left / more)
+            per_save = max(0.0, profile.moved_s_per_save - left / more)
             profile = replace(profile, moved_s_per_save=per_save)
+            profile = _compute_fitted(profile, default, default_s)
     return replace(profile, default_step_s=default_s)
+
+
+def _compute_fitted(profile: Profile, default: Plan, default_s: float) -> Profile:
+    """``profile`` with its compute scaled so that ``default`` plays ``default_s`` seconds.
+
+    Within _LEAST_SCALE of the profile's: the rest of the default's price
+    (its moves, its waits) as the profile has it.
+    """
+    compute = profile.forward_s + profile.backward_s + profile.other_s - (profile.between_s or 0.0)
+    if compute <= 0:
+        return profile
+    rest = simulate(profile, default.choices, default.window_bytes).step_s - compute
+    factor = min(max((default_s - rest) / compute, _LEAST_SCALE), 1 / _LEAST_SCALE)
+    return _scaled(profile, factor)
 
 
 def _scaled(profile: Profile, factor: float) -> Profile:
