@@ -623,7 +623,7 @@ def test_no_plan_is_slower_than_offloading_everything_where_that_fits() -> None:
     assert compared > 50 and below > 50
 
 
-def _rebuilds_priced_cheaper() -> Profile:
+def rebuilds_priced_cheaper() -> Profile:
     """Four 1 MiB saves a rebuild prices below their trip out and back; a 1 MiB window."""
     saves = tuple(
         Save(MIB, "aten.mm", module, 0.1 * (i + 1), 0.1 * (4 - i), 0.01)
@@ -636,7 +636,7 @@ def test_the_default_once_measured_is_priced_at_its_measurement() -> None:
     # NOTE [ The default is a plan ]: a trial step of the default puts its
     # time in the profile, and every search after prices it at that, at the
     # profile's window only; a trial above the budget rules it out.
-    profile = _rebuilds_priced_cheaper()
+    profile = rebuilds_priced_cheaper()
     budget = int(2.5 * MIB)
     searched = make_plan(profile, budget)
     assert searched.choices == ("rebuild", "rebuild", "keep", "keep")

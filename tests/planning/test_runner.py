@@ -67,6 +67,7 @@ from tierstore.tiers.movers import LinkClock
 from tierstore.tiers.transfers import Transfers
 
 from ..conftest import assert_empty
+from .test_planner import rebuilds_priced_cheaper
 
 CONFIG = GPTConfig(vocab=64, d_model=64, heads=4, layers=3, seq=32, dropout=0.1)
 
@@ -872,13 +873,8 @@ def _trial_runner() -> tuple[PlanRunner, Plan]:
     Four 1 MiB saves whose rebuild the profile prices below their trip out
     and back, a 1 MiB window, a budget of 2.5 MiB (NOTE [ The default on trial ]).
     """
-    mib = 1 << 20
-    saves = tuple(
-        Save(mib, "aten.mm", module, 0.1 * (i + 1), 0.1 * (4 - i), 0.01)
-        for i, module in enumerate("aabb")
-    )
-    profile = Profile(saves, 0.5, 0.5, 0.0, 1e8, 1e8, mib, moved_s_per_byte=1e-8, shared_link=True)
-    budget = int(2.5 * mib)
+    profile = rebuilds_priced_cheaper()
+    budget = int(2.5 * (1 << 20))
     runner = PlanRunner(
         tierstore.TierConfig(activation_budget=budget),
         LinkClock(),

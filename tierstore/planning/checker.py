@@ -379,9 +379,11 @@ class PlanChecker:
         ):
             return None
         checks.tried = True
+        if plan.profile.default_step_s is not None:
+            return None  # it ran already
         default = default_plan(plan.profile, plan.budget_bytes, plan.floor_bytes)
-        if default is None or plan.profile.default_step_s is not None:
-            return None  # it does not fit, or it ran already
+        if default is None:
+            return None  # it does not fit
         checks.trial = (plan, measured, default)
         runner._use(runner._expected, default, kept=False)
         by = plan.bytes_by_choice()

@@ -149,16 +149,15 @@ __all__ = [
 # match it: the budget is below what the default's windows hold in flight,
 # and the plan pays for a smaller window or for rebuilds to get below it.
 # A price is only as good as its profile, and the profile's errors do not
-# fall alike on every plan: on the CPU VM the default bench train model's
-# profile priced the default at 12.4 s and the checkpointing plan the
-# search chose at 10.7 s; they measured 8.0 s and 10.5 s (the profiled
-# step's compute ran slowed by its recording, which every plan's price
-# holds, and a block rebuilt ran slower than its forward had). A check
-# cannot see that: it judges the plan in use alone, and 10.5 s was as
-# predicted. So the two are measured side by side (NOTE [ The default on
-# trial ] in planning/checker.py), and once the default has run, simulate
-# prices it at what it measured (Profile.default_step_s), for every search
-# and check after.
+# fall alike on every plan: the profiled step's compute runs slowed by its
+# recording, which every plan's price holds, while a block rebuilt runs
+# slower than its forward's op times say, which only a plan that rebuilds
+# pays. The two can cancel in a checkpointing plan's price and leave the
+# default's too dear, and a check cannot see that: it judges the plan in
+# use alone, against its own prediction. So the two are measured side by
+# side (NOTE [ The default on trial ] in planning/checker.py), and once the
+# default has run, simulate prices it at what it measured
+# (Profile.default_step_s), for every search and check after.
 
 
 # NOTE [ Replayed modules ]

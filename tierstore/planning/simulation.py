@@ -33,6 +33,7 @@ from tierstore.planning.plan_types import (
     Profile,
     from_graph,
     hands_heap_back,
+    is_default,
     replayed,
 )
 
@@ -81,7 +82,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
     stall = 0.0
     link_out = -math.inf
     queue: deque[tuple[float, int]] = deque()  # (copy done at, bytes)
-    queued = kept = peak = moved = n_moved = n_offloaded = 0
+    queued = kept = peak = moved = n_moved = 0
     for i, (save, choice) in enumerate(zip(saves, choices, strict=True)):
         now = save.forward_s + stall
         while queue and queue[0][0] <= now:
@@ -89,7 +90,6 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
         if choice == "keep":
             kept += save.nbytes
         elif choice == "offload":
-            n_offloaded += 1
             while queue and queued > window_bytes:  # the store's backpressure, then the save
                 done, nbytes = queue.popleft()
                 exposed[i] += done - now
@@ -200,11 +200,7 @@ def simulate(profile: Profile, choices: tuple[Choice, ...], window_bytes: int) -
         step += profile.hand_back_s
     if not _runnable(profile, choices, native):  # NOTE [ Replayed modules ] in planning/planner.py
         step = math.inf
-    elif (
-        profile.default_step_s is not None
-        and n_offloaded == len(saves)
-        and window_bytes == profile.window_bytes
-    ):
+    elif profile.default_step_s is not None and is_default(profile, choices, window_bytes):
         step = profile.default_step_s  # measured: NOTE [ The default is a plan ] in planner.py
     return Outcome(step, peak, tuple(exposed))
 

@@ -147,9 +147,9 @@ _WAIT_SLICE_S = 0.05
 # interrupt reaches the user, and the store's books stay whole. The
 # bytecodes between a `finally` and the `try` of the call it makes are a
 # window still (a write never queued, its future waited on for good); so
-# the hand-off, from the future made to the request
-# queued, runs in one hold (NOTE [ Interrupts held ] in tiers/interrupts.py)
-# wherever Python's own SIGINT handler is in place.
+# the hand-off, from the future made to the request queued, runs in one
+# hold (NOTE [ Interrupts held ] in tiers/interrupts.py) wherever Python's
+# own SIGINT handler is in place.
 
 
 def _launch(
@@ -577,8 +577,8 @@ class Pipeline:
         # In slices, each in a hold: concurrent.futures.wait takes every
         # future's condition in Python code, and Ctrl-C landing there leaves
         # one held for good, and the I/O thread that ends that future stuck on
-        # it. The interrupt comes as the slice ends,
-        # within _WAIT_SLICE_S; a future that ends sooner ends the wait sooner.
+        # it. The interrupt comes as the slice ends, within _WAIT_SLICE_S; a
+        # future that ends sooner ends the wait sooner.
         # NOTE [ Interrupts held ] in tiers/interrupts.py.
         with held:
             pending = [f for f in futures if f is not None and not f.done()]
