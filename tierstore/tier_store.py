@@ -107,10 +107,12 @@ _KINDS = {
 # entries go as autograd drops the graph, as any graph's do: once the caller
 # lets go of the error, whose frames hold the forward's tensors. A step out
 # of memory was short of at least what the failed allocation asked, and at
-# least one save: under activation_budget a planned step's plan is remade
-# for a budget that much lower, the safe placement running the steps until
-# it is ready, and the safe placement keeps that much less on the device
-# from then on. A later step of another size (the smaller
+# least one save: under activation_budget the plan of its shape (the one it
+# ran, or the one being remade while it ran on the safe placement) is
+# remade for a budget that much lower, the safe placement running the steps
+# until it is ready; a plan already on its way counts none of it, so it is
+# made again before any step runs it. The safe placement keeps that much
+# less on the device from then on. A later step of another size (the smaller
 # retry) follows its own profile. What the store cannot see it cannot count:
 # an error raised between the store's blocks (a loss computed outside
 # offload()) leaves the step under way, and a kill by a cgroup's limit or

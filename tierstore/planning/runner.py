@@ -462,6 +462,9 @@ class PlanRunner(StepLimits):
         ):  # NOTE [ Planning off the training thread ] in planning/checker.py: the safe placement
             step.saved_bytes += nbytes
             step.largest = max(step.largest, nbytes)
+            expected = self._expected  # a plan's shape until a size leaves it (step_failed)
+            if step.deviated_at is None and (index >= len(expected) or expected[index] != nbytes):
+                step.deviated_at = index
             return None
         if step.profiling or step.deviated_at is not None:
             return None
@@ -935,7 +938,11 @@ class PlanRunner(StepLimits):
         if step is None or excess is None:
             return self._adopt()
         plan = self.plan
-        planned = not (step.profiling or step.waiting or step.deviated_at is not None)
+        # The plan's shape: a step on it, or on the safe placement while it is
+        # remade (fall_back) whose sizes had not left it.
+        planned = plan is not None and not step.profiling and step.deviated_at is None
+        if step.waiting and not self._falling_back:
+            planned = False  # waiting for the first plan: no plan's shape yet
         largest = step.largest
         if planned and plan is not None:
             largest = max((save.nbytes for save in plan.profile.saves), default=0)
@@ -945,10 +952,13 @@ class PlanRunner(StepLimits):
             return self._adopt()
         expected = self._expected
         self.short_of[expected] = self.short_of.get(expected, 0) + excess
-        if self._checker.making():  # one at a time: made again once that one is ready
+        checker = self._checker
+        if checker.making() or checker.remade is not None:
+            # One at a time, and a plan made before this step counts none of
+            # it: made again once it is ready (_adopt), the safe placement until.
             self.fall_back()
             self._short_since.add(expected)
-            return None
+            return self._adopt()
         return self._remake_meanwhile_safe(plan) or self._adopt()
 
     def _remake_meanwhile_safe(self, plan: Plan, budget: int | None = None) -> str | None:
