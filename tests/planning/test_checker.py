@@ -8,9 +8,11 @@ remade, and a remade plan still over warns within two steps, saying why.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
 import tierstore
@@ -100,6 +102,34 @@ def test_an_overshoot_runs_the_safe_placement_while_the_plan_is_remade() -> None
         assert _step(runner, remade.predicted_peak_bytes, sizes) == list(remade.choices)
         assert runner.plan is remade and not runner._falling_back
     finally:
+        runner.close()
+
+
+def test_a_remake_with_no_thread_to_be_had_is_made_on_the_training_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Short of memory, a thread's stack may not be had: the plan is made
+    # where the step is, rather than the error raised into it.
+    sizes = (2 * MIB, MIB, MIB, 2 * MIB)
+    runner = _runner("3MiB")
+    try:
+        _step(runner, 0, sizes)
+        _step(runner, 0, sizes)
+        plan = runner.plan
+        assert plan is not None and plan.fits
+
+        def refused(self: threading.Thread) -> None:
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(threading.Thread, "start", refused)
+        chosen = _step(runner, int(plan.budget_bytes * 1.2), sizes)
+        assert chosen == list(plan.choices)
+        remade = runner.plan
+        assert remade is not None and remade is not plan and not runner._falling_back
+        assert runner._checker._remaking is None and runner._checker.remade is None
+        assert _step(runner, remade.predicted_peak_bytes, sizes) == list(remade.choices)
+    finally:
+        monkeypatch.undo()
         runner.close()
 
 

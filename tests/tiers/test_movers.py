@@ -231,6 +231,33 @@ def test_close_stops_threads_and_removes_files(spill_root: Path) -> None:
         y.sum().backward()
 
 
+def test_every_io_thread_starts_with_the_first_disk_write(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A pool left to start its threads as work piles up starts one mid-step,
+    # where memory may be short of a thread's stack: none is started later.
+    store = tierstore.TierStore(_config(spill_root, io_workers=3))
+    x = torch.randn(1024, requires_grad=True)
+    with store.offload():
+        y = x.exp()
+    named = [t.name.rsplit("_", 1)[0] for t in _io_threads()]
+    assert named.count("tierstore-io") == 3 and named.count("tierstore-hash") == 1
+
+    def refused(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    got = torch.autograd.grad(y.sin().sum(), x)[0]
+    for _ in range(3):
+        with store.offload():
+            y = x.exp().sin().cos()
+        got = torch.autograd.grad(y.sum(), x)[0]
+    assert torch.equal(got, torch.autograd.grad(x.exp().sin().cos().sum(), x)[0])
+    monkeypatch.undo()
+    store.close()
+    assert os.listdir(spill_root) == []
+
+
 def test_dropped_store_stops_its_threads(spill_root: Path) -> None:
     before = set(_io_threads())
 

@@ -477,28 +477,33 @@ class PlanChecker:
             verb == "made" and self._runner.first_plan_at_once
         )
         fits = fits_everything(profile, budget)
-        if elsewhere or at_once or fits:
-            if elsewhere and not fits:
-                plan = self._plan_in_process(profile, budget)
-            else:
-                plan = make_plan(profile, budget)  # no search, or one here
-            plan = _no_slower(plan, beside)
-            self._runner._use(expected, plan)
-            return self._made(plan, verb)
-        if self._remaking is not None and alive(self._remaking):
-            return None  # one at a time: the check after it judges the new plan
+        if not (elsewhere or at_once or fits):
+            if self._remaking is not None and alive(self._remaking):
+                return None  # one at a time: the check after it judges the new plan
 
-        def in_process() -> None:
+            def in_process() -> None:
+                try:
+                    plan = _no_slower(self._plan_in_process(profile, budget), beside)
+                except (OSError, RuntimeError, ValueError):
+                    return  # closed meanwhile: the process with it
+                if not self._closed:
+                    self.remade = (expected, plan, self._made(plan, verb))
+
+            remaking = threading.Thread(target=in_process, name="tierstore-plan", daemon=True)
             try:
-                plan = _no_slower(self._plan_in_process(profile, budget), beside)
-            except (OSError, RuntimeError, ValueError):
-                return  # closed meanwhile: the process with it
-            if not self._closed:
-                self.remade = (expected, plan, self._made(plan, verb))
-
-        self._remaking = threading.Thread(target=in_process, name="tierstore-plan", daemon=True)
-        self._remaking.start()
-        return None
+                remaking.start()
+            except RuntimeError:  # no thread to be had (memory short): made here, waited for
+                elsewhere = True
+            else:
+                self._remaking = remaking
+                return None
+        if elsewhere and not fits:
+            plan = self._plan_in_process(profile, budget)
+        else:
+            plan = make_plan(profile, budget)  # no search, or one here
+        plan = _no_slower(plan, beside)
+        self._runner._use(expected, plan)
+        return self._made(plan, verb)
 
     def _plan_in_process(self, profile: Profile, budget: int) -> Plan:
         """``make_plan`` in the planning process; in this thread where none can be had.

@@ -216,6 +216,27 @@ def _chain(
     task.add_done_callback(ended)
 
 
+def _started_pool(workers: int, prefix: str) -> concurrent.futures.ThreadPoolExecutor:
+    """A thread pool whose ``workers`` threads all run from now on.
+
+    A pool starts a thread when work finds none idle: that can be in the
+    middle of a step, when memory is shortest, and where a thread's stack
+    cannot be had (``RLIMIT_AS``, a container's limit) the submit raises
+    "can't start new thread" into the step. Started here, at the store's
+    first disk write, they fail there if at all. Each start task waits
+    until all of them run, so no thread is idle for the next to reuse.
+    """
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=prefix)
+    every = threading.Barrier(workers)
+    try:
+        concurrent.futures.wait([pool.submit(every.wait) for _ in range(workers)])
+    except BaseException:
+        every.abort()  # the threads that did start go on to the shutdown
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    return pool
+
+
 class LinkClock:
     """Bytes a link moved and the seconds it was busy moving them: its rate.
 
@@ -596,18 +617,16 @@ class Pipeline:
         with self._start_lock:
             self._check_usable()
             if self._loop is None:
-                loop = asyncio.new_event_loop()
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=self._config.io_workers, thread_name_prefix="tierstore-io"
-                )
-                loop.set_default_executor(self._executor)
-                self._hasher = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="tierstore-hash"
-                )
-                self._thread = threading.Thread(
-                    target=self._serve, args=(loop,), name="tierstore-loop", daemon=True
-                )
-                with held:  # a start that Ctrl-C stops would leave a second loop made
+                # In a hold: a start that Ctrl-C stops would leave a second loop
+                # made, and pools whose threads no one shuts down.
+                with held:
+                    self._executor = _started_pool(self._config.io_workers, "tierstore-io")
+                    self._hasher = _started_pool(1, "tierstore-hash")
+                    loop = asyncio.new_event_loop()
+                    loop.set_default_executor(self._executor)
+                    self._thread = threading.Thread(
+                        target=self._serve, args=(loop,), name="tierstore-loop", daemon=True
+                    )
                     self._thread.start()
                     self._loop = loop
             return self._loop
