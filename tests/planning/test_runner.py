@@ -55,6 +55,7 @@ from tierstore.planning.planner import (
     Profile,
     Save,
     default_plan,
+    kept_whole,
     make_plan,
     recorded_rebuilds,
     replayed,
@@ -204,6 +205,22 @@ def test_saves_do_what_the_plan_says(budget_store: Callable[..., tierstore.TierS
         return out
 
     store._pack = spy  # type: ignore[method-assign]
+    # A module the plan keeps whole or replays natively is gone past: its
+    # saves never reach the pack hook, but for a replayed module's first, its
+    # input, kept (NOTE [ Modules kept whole ] in autograd/regions.py, NOTE
+    # [ Replayed modules ] in planning/planner.py).
+    runner = store._runner
+    assert runner is not None
+    passed: list[tuple[int, int]] = []
+    passes = runner.passes
+
+    def passes_spy(plan: Plan, first: int, end: int) -> Any:
+        out = passes(plan, first, end)
+        if out == "past":
+            passed.append((first, end))
+        return out
+
+    runner.passes = passes_spy  # type: ignore[method-assign]
     # The first step that follows its plan is watched. A step whose peak
     # measured above the budget (its writes slower than the profile's, on a
     # loaded machine) sends the next ones to the safe placement until the
@@ -211,6 +228,7 @@ def test_saves_do_what_the_plan_says(budget_store: Callable[..., tierstore.TierS
     # planning/checker.py): those are not the plan's.
     for step in range(3, 9):
         packed.clear()
+        passed.clear()
         before = store.stats()
         with store.offload():
             plan = store.plan()  # made or remade as this step began
@@ -224,15 +242,26 @@ def test_saves_do_what_the_plan_says(budget_store: Callable[..., tierstore.TierS
     offloadable = [
         p for p in packed if isinstance(p, (tierstore.tiers.handle.Handle, Recipe, tuple))
     ]
-    assert len(offloadable) == len(plan.choices)
+    whole, native = kept_whole(plan.profile, plan.choices), replayed(plan.profile, plan.choices)
+    spans = {(first, end) for _, first, end in (*whole, *native)}
+    assert set(passed) <= spans
+    replays = [(first, end) for first, end in passed if "rebuild" in plan.choices[first:end]]
+    gone = {i for first, end in passed for i in range(first, end)}
+    gone -= {first for first, _ in replays}
+    choices = [c for i, c in enumerate(plan.choices) if i not in gone]
+    assert len(offloadable) == len(choices)
     rebuilt = [type(p) is Recipe for p in offloadable]
-    assert rebuilt == [c == "rebuild" for c in plan.choices]
-    assert [type(p) is tuple for p in offloadable] == [c == "keep" for c in plan.choices]
+    assert rebuilt == [c == "rebuild" for c in choices]
+    assert [type(p) is tuple for p in offloadable] == [c == "keep" for c in choices]
     after = store.stats()
     rebuilt_bytes = sum(p.nbytes for p in offloadable if type(p) is Recipe)
-    assert after.recomputed_bytes - before.recomputed_bytes == rebuilt_bytes
+    saves = plan.profile.saves
+    replayed_bytes = sum(s.nbytes for first, end in replays for s in saves[first + 1 : end])
+    assert after.recomputed_bytes - before.recomputed_bytes == rebuilt_bytes + replayed_bytes
     # A tensor saved twice rests once: the profile gives its second save no bytes.
-    assert rebuilt_bytes >= plan.bytes_by_choice()["rebuild"]
+    hooked = sum(s.nbytes for i, s in enumerate(saves) if i not in gone and s.same_as is None
+                 and plan.choices[i] == "rebuild")  # fmt: skip
+    assert rebuilt_bytes >= hooked
 
 
 def test_random_ops_are_never_rebuilt(budget_store: Callable[..., tierstore.TierStore]) -> None:
