@@ -214,20 +214,7 @@ def test_out_of_memory_and_retry_leaves_nothing_behind_and_the_retry_completes(
 def test_a_read_short_of_memory_in_backward_counts_what_it_asked_for(
     spill_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = tierstore.TierConfig(
-        activation_budget=0.3, disk_path=spill_root, min_offload_bytes=0, host_budget=0
-    )
-    store = tierstore.TierStore(config)
-    model = _model()
-    # Read back in every backward, whatever the plan chose for the rest (on a
-    # busy machine it may offload none: rebuilding all it does not keep).
-    tierstore.keep_module(model.blocks[0], tier="disk")
-    for step in range(3):
-        _same(_step(store, model, step, inside=False), _eager(step))
-    planned = store.plan()
-    runner = store._runner
-    assert planned is not None and runner is not None
-    _plan_ready(runner)
+    store, model, planned, runner = _planned_with_a_read(spill_root)
     calls = _short_once(monkeypatch)
     files = _listing(spill_root)
     with pytest.raises(RuntimeError, match="DefaultCPUAllocator"):
@@ -256,18 +243,7 @@ def test_a_safe_step_short_of_memory_while_its_plan_is_remade_counts_in_that_pla
     # The plan on its way was made for the old budget: it is made again for
     # the lower one before any step runs it (NOTE [ A step that raised ] in
     # tierstore/tier_store.py).
-    config = tierstore.TierConfig(
-        activation_budget=0.3, disk_path=spill_root, min_offload_bytes=0, host_budget=0
-    )
-    store = tierstore.TierStore(config)
-    model = _model()
-    tierstore.keep_module(model.blocks[0], tier="disk")  # a read in every backward
-    for step in range(3):
-        _same(_step(store, model, step, inside=False), _eager(step))
-    planned = store.plan()
-    runner = store._runner
-    assert planned is not None and runner is not None
-    _plan_ready(runner)
+    store, model, planned, runner = _planned_with_a_read(spill_root)
     checker = runner._checker
     made, release = [], threading.Event()
     real = checker._plan_in_process
@@ -307,11 +283,28 @@ def test_a_safe_step_short_of_memory_while_its_plan_is_remade_counts_in_that_pla
     store.close()
 
 
-def _plan_ready(runner: Any) -> None:
-    """Wait for a plan a check is remaking off the thread; take it up at the next step."""
-    checker = runner._checker
-    if checker._remaking is not None:
-        checker._remaking.join()
+def _planned_with_a_read(spill_root: Path) -> tuple[tierstore.TierStore, GPT, Any, Any]:
+    """A store on its first plan, no remake on its way: the store, model, plan and runner.
+
+    Its first block is read back in every backward, whatever the plan chose
+    for the rest (on a busy machine it may offload none: rebuilding all it
+    does not keep).
+    """
+    config = tierstore.TierConfig(
+        activation_budget=0.3, disk_path=spill_root, min_offload_bytes=0, host_budget=0
+    )
+    store = tierstore.TierStore(config)
+    model = _model()
+    tierstore.keep_module(model.blocks[0], tier="disk")
+    for step in range(3):
+        _same(_step(store, model, step, inside=False), _eager(step))
+    planned = store.plan()
+    runner = store._runner
+    assert planned is not None and runner is not None
+    remaking = runner._checker._remaking  # a check's remake: taken up at the next step
+    if remaking is not None:
+        remaking.join()
+    return store, model, planned, runner
 
 
 def _short_once(monkeypatch: pytest.MonkeyPatch) -> list[int]:

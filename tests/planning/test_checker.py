@@ -44,10 +44,10 @@ def _step(runner: PlanRunner, peak: int, sizes: tuple[int, ...] = (MIB,) * 4) ->
     return chosen
 
 
-def _planned(runner: PlanRunner, fits: bool = True) -> Plan:
+def _planned(runner: PlanRunner, fits: bool = True, sizes: tuple[int, ...] = (MIB,) * 4) -> Plan:
     """Warm-up and profile: the first plan, made at once (conftest: first_plan_at_once)."""
-    _step(runner, 0)
-    _step(runner, 0)
+    _step(runner, 0, sizes)
+    _step(runner, 0, sizes)
     plan = runner.plan
     assert plan is not None and plan.fits == fits
     return plan
@@ -75,10 +75,8 @@ def test_an_overshoot_runs_the_safe_placement_while_the_plan_is_remade() -> None
     sizes = (2 * MIB, MIB, MIB, 2 * MIB)
     runner = _runner("3MiB")
     try:
-        _step(runner, 0, sizes)
-        _step(runner, 0, sizes)
-        plan = runner.plan
-        assert plan is not None and plan.fits and plan.budget_bytes == 3 * MIB
+        plan = _planned(runner, sizes=sizes)
+        assert plan.budget_bytes == 3 * MIB
         over = int(plan.budget_bytes * 1.2)
         assert over < plan.budget_bytes + max(sizes)
         _step(runner, over, sizes)
@@ -113,10 +111,7 @@ def test_a_remake_with_no_thread_to_be_had_is_made_on_the_training_thread(
     sizes = (2 * MIB, MIB, MIB, 2 * MIB)
     runner = _runner("3MiB")
     try:
-        _step(runner, 0, sizes)
-        _step(runner, 0, sizes)
-        plan = runner.plan
-        assert plan is not None and plan.fits
+        plan = _planned(runner, sizes=sizes)
 
         def refused(self: threading.Thread) -> None:
             raise RuntimeError("can't start new thread")

@@ -480,23 +480,9 @@ class PlanChecker:
         if not (elsewhere or at_once or fits):
             if self._remaking is not None and alive(self._remaking):
                 return None  # one at a time: the check after it judges the new plan
-
-            def in_process() -> None:
-                try:
-                    plan = _no_slower(self._plan_in_process(profile, budget), beside)
-                except (OSError, RuntimeError, ValueError):
-                    return  # closed meanwhile: the process with it
-                if not self._closed:
-                    self.remade = (expected, plan, self._made(plan, verb))
-
-            remaking = threading.Thread(target=in_process, name="tierstore-plan", daemon=True)
-            try:
-                remaking.start()
-            except RuntimeError:  # no thread to be had (memory short): made here, waited for
-                elsewhere = True
-            else:
-                self._remaking = remaking
+            if self._remake_off_thread(profile, budget, expected, verb, beside):
                 return None
+            elsewhere = True  # no thread to be had (memory short): made here, waited for
         if elsewhere and not fits:
             plan = self._plan_in_process(profile, budget)
         else:
@@ -504,6 +490,32 @@ class PlanChecker:
         plan = _no_slower(plan, beside)
         self._runner._use(expected, plan)
         return self._made(plan, verb)
+
+    def _remake_off_thread(
+        self,
+        profile: Profile,
+        budget: int,
+        expected: tuple[int, ...],
+        verb: str,
+        beside: Plan | None,
+    ) -> bool:
+        """Make the plan on a thread, ready in ``remade``; whether the thread started."""
+
+        def in_process() -> None:
+            try:
+                plan = _no_slower(self._plan_in_process(profile, budget), beside)
+            except (OSError, RuntimeError, ValueError):
+                return  # closed meanwhile: the process with it
+            if not self._closed:
+                self.remade = (expected, plan, self._made(plan, verb))
+
+        remaking = threading.Thread(target=in_process, name="tierstore-plan", daemon=True)
+        try:
+            remaking.start()
+        except RuntimeError:  # "can't start new thread"
+            return False
+        self._remaking = remaking
+        return True
 
     def _plan_in_process(self, profile: Profile, budget: int) -> Plan:
         """``make_plan`` in the planning process; in this thread where none can be had.

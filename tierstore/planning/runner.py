@@ -939,10 +939,14 @@ class PlanRunner(StepLimits):
             return self._adopt()
         plan = self.plan
         # The plan's shape: a step on it, or on the safe placement while it is
-        # remade (fall_back) whose sizes had not left it.
-        planned = plan is not None and not step.profiling and step.deviated_at is None
-        if step.waiting and not self._falling_back:
-            planned = False  # waiting for the first plan: no plan's shape yet
+        # remade (fall_back, not the wait for a first plan) whose sizes had
+        # not left it.
+        planned = (
+            plan is not None
+            and not step.profiling
+            and step.deviated_at is None
+            and (not step.waiting or self._falling_back)
+        )
         largest = step.largest
         if planned and plan is not None:
             largest = max((save.nbytes for save in plan.profile.saves), default=0)
