@@ -552,10 +552,17 @@ def _budget_steps(
     model: Callable[[torch.Tensor], torch.Tensor],
     params: list[torch.Tensor],
     root: Path,
+    *,
     steps: int = 6,
     until_peak_warned: bool = False,
+    planned: int = 0,
 ) -> tuple[tierstore.TierStore, list[str]]:
-    """Steps under activation_budget=0.3; the TierstoreWarnings they raised."""
+    """Steps under activation_budget=0.3; the TierstoreWarnings they raised.
+
+    ``planned``: step on (up to a deadline) until that many steps ran a plan;
+    on a busy machine a step over the budget sends the next to the safe
+    placement while its plan is remade off the thread.
+    """
     torch.manual_seed(0)
     x = torch.randn(8, 64, 32)
     config = tierstore.TierConfig(activation_budget=0.3, disk_path=root)
@@ -583,6 +590,10 @@ def _budget_steps(
                     steps = step + 3
                 elif not warned and step == steps and time.monotonic() < deadline:
                     steps += 1
+            # A step is counted as it ends, when the next block begins: one step more.
+            short = store.stats().planned_steps < planned
+            if short and step == steps and time.monotonic() < deadline:
+                steps += 1
     store.close()
     said = [str(w.message) for w in caught if issubclass(w.category, tierstore.TierstoreWarning)]
     return store, said
@@ -682,14 +693,14 @@ def test_per_block_compile_holds_the_budget(
         return step_ended(self, peak_bytes)
 
     monkeypatch.setattr(PlanRunner, "step_ended", measured)
-    store, said = _budget_steps(model, list(model.parameters()), spill_root)
+    store, said = _budget_steps(model, list(model.parameters()), spill_root, planned=3)
     plan = store.plan()
     assert plan is not None and plan.measured_peak_bytes is not None
     # Each block hands over its saves together, an eighth of the step's: the
     # plan keeps room for that. A step on a busy machine, its writes behind,
     # may run over, which the next step corrects (NOTE [ A peak above the
     # budget ] in planning/checker.py): the planned steps' median holds.
-    assert len(ratios) >= 2 and sorted(ratios)[len(ratios) // 2] <= 1.25, (ratios, str(plan))
+    assert len(ratios) >= 3 and sorted(ratios)[len(ratios) // 2] <= 1.25, (ratios, str(plan))
     assert not [m for m in said if "a torch.compile'd region" in m], said
     # One row per block.
     assert [line.split()[0] for line in str(plan).splitlines()[1:9]] == [

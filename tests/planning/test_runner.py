@@ -2375,8 +2375,10 @@ def test_a_planned_backward_reads_ahead_by_its_plans_window(
     runner = store._runner
     assert runner is not None
     # A step over the budget on a busy machine sends the next to the safe
-    # placement while its plan is remade. The step is under way until the
-    # next block begins: what it ran on is the runner's now.
+    # placement while its plan is remade: made at once, waited for, it is
+    # the next step's. The step is under way until the next block begins:
+    # what it ran on is the runner's now.
+    runner.wait_for_plans = True
     for _ in range(4):
         allowed.clear()
         reads.limit._min_bytes = reads.limit.bytes = 4096
