@@ -165,6 +165,38 @@ def test_a_remade_plan_still_over_warns_within_two_steps_and_says_why() -> None:
         runner.close()
 
 
+def test_what_a_step_held_beyond_its_plan_does_not_raise_a_fractional_budget() -> None:
+    # NOTE [ A peak above the budget ]: the excess is counted as bytes that
+    # stay, not as saved ones. A remake that takes its budget from the
+    # profile, after a step short of memory, gave half of the saves and of
+    # that excess, less the shortfall.
+    runner = _runner(0.5)
+    try:
+        plan = _planned(runner)
+        assert plan.budget_bytes == 2 * MIB  # half of four 1 MiB saves
+        over = int(1.2 * plan.budget_bytes)
+        _step(runner, over)
+        _remade(runner)
+        _step(runner, over)  # the safe placement; the remade plan adopted at its end
+        remade = runner.plan
+        assert remade is not None and remade is not plan
+        excess = over - plan.predicted_peak_bytes
+        assert remade.profile.overrun_bytes == excess
+        assert remade.profile.fixed_bytes == plan.profile.fixed_bytes + excess
+        assert remade.profile.saved_bytes == 4 * MIB and remade.budget_bytes == 2 * MIB
+        for _ in range(4):  # a step on the remade plan, short of memory before it ends
+            runner.choose(MIB)
+        assert runner.planned
+        runner.step_failed(MIB)
+        _remade(runner)
+        _step(runner, 0)
+        again = runner.plan
+        assert again is not None and again is not remade
+        assert again.budget_bytes == 2 * MIB - MIB and again.profile.overrun_bytes == excess
+    finally:
+        runner.close()
+
+
 def test_a_plan_that_predicted_more_than_the_budget_is_held_to_its_prediction() -> None:
     # 1 KiB: below what the step can reach (the floor's warning says so).
     runner = _runner("1KiB", background=False)

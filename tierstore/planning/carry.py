@@ -243,6 +243,7 @@ def _scaled_to(profile: Profile, sizes: Sequence[int]) -> Profile:
         backward_s=profile.backward_s * factor,
         other_s=between + (profile.other_s - between) * factor,
         fixed_bytes=int(profile.fixed_bytes * factor),
+        overrun_bytes=int(profile.overrun_bytes * factor),
         stays_in=tuple((m, why, n, int(b * factor)) for m, why, n, b in profile.stays_in),
         default_step_s=None if profile.default_step_s is None else profile.default_step_s * factor,
     )

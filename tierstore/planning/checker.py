@@ -81,10 +81,13 @@ _POLL_S = 0.02
 # placement (PlanRunner.fall_back: a waiting step, NOTE [ Planned steps ] in
 # planning/runner.py), which holds the budget without a plan, while the plan
 # is remade off the training thread with the excess over its prediction
-# counted as bytes that stay (fixed_bytes), against the same budget; the
-# steps follow the remade plan from the step boundary where it is ready. A
-# plan whose own prediction is above the budget (the floor's warning said
-# so) is held to that prediction instead, until one is remade for a peak.
+# counted as bytes that stay (fixed_bytes), against the same budget: not as
+# saved bytes, so a fractional budget (a share of what the step saves, for a
+# remake after an out-of-memory step too) is not raised by them
+# (Profile.overrun_bytes); the steps follow the remade plan from the step
+# boundary where it is ready. A plan whose own prediction is above the
+# budget (the floor's warning said so) is held to that prediction instead,
+# until one is remade for a peak.
 # The peak compared is what the step held, counted as the prediction counts
 # it: the saves the plan keeps, each tensor once (NOTE [ A tensor saved
 # twice ] in planning/planner.py), all of them at backward's first use
@@ -571,7 +574,10 @@ class PlanChecker:
                 return None  # no plan holds it: the closest stays, and the floor said so
         checks.times.clear()  # the time checks start again on the plan remade
         unseen = max(peak - plan.predicted_peak_bytes, 0)
-        profile = replace(plan.profile, fixed_bytes=plan.profile.fixed_bytes + unseen)
+        was = plan.profile
+        profile = replace(
+            was, fixed_bytes=was.fixed_bytes + unseen, overrun_bytes=was.overrun_bytes + unseen
+        )
         checks.peak_fixed = profile.fixed_bytes
         checks.peak_excess += unseen
         runner.fall_back()  # until the remade plan is in use: made at once, that is now

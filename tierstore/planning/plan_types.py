@@ -254,6 +254,11 @@ class Profile:
             in tierstore/planning/checker.py); 0 until a planned step measured it.
         fixed_bytes: saved bytes that stay whatever the plan (kept tensors,
             saves under ``min_offload_bytes``): counted in every peak.
+        overrun_bytes: of ``fixed_bytes``, what steps held beyond their
+            plan's prediction, counted since as bytes that stay (NOTE [ A
+            peak above the budget ] in planning/checker.py). Not saved
+            bytes: a fractional budget is not raised by them
+            (:attr:`saved_bytes`).
         shared_link: one link both ways (a disk: reads queue behind writes),
             rather than a copy engine each way (PCIe).
         recorded_rebuild_s: what each rebuild replayed op by op costs on top
@@ -289,6 +294,7 @@ class Profile:
     moved_s_per_byte: float = 0.0
     moved_s_per_save: float = 0.0
     fixed_bytes: int = 0
+    overrun_bytes: int = 0
     shared_link: bool = False
     recorded_rebuild_s: float = 0.0
     hand_back_s: float = 0.0
@@ -334,7 +340,7 @@ class Profile:
     @property
     def saved_bytes(self) -> int:
         """Every byte the step saves: what a fraction of a budget is a fraction of."""
-        return self.fixed_bytes + sum(s.nbytes for s in self.saves)
+        return self.fixed_bytes - self.overrun_bytes + sum(s.nbytes for s in self.saves)
 
     @cached_property
     def replayable(self) -> tuple[tuple[str, int, int], ...]:
