@@ -123,7 +123,10 @@ _POLL_S = 0.02
 # they have, or, before the first, on the safe placement (NOTE [ Planned
 # steps ] in planning/runner.py) without the profile's recording and
 # timing; the runner switches to the new plan at the first step boundary
-# after it is ready. Not a thread: a search holds the interpreter lock for
+# after it is ready, and only then says so (its INFO line, and the floor's
+# warning where it cannot meet the budget): what the caller issues never
+# comes from another thread, nor for a plan made again before it ran. Not a
+# thread: a search holds the interpreter lock for
 # milliseconds at a time, and the training thread, which gives the lock up
 # around every torch op, waits up to the switch interval (5 ms) to get it
 # back after each one, so its steps run several times slower beside a
@@ -290,7 +293,9 @@ class PlanChecker:
         self._runner = runner
         self._remaking: threading.Thread | None = None
         self._planning: PlanningProcess | None = None  # NOTE [ Planning off the training thread ]
-        #: A plan made off the thread, ready for the runner: (its sizes, the plan, its INFO line).
+        #: A plan made off the thread, ready for the runner: (its sizes, the plan,
+        #: the verb of its INFO line). The line and any floor warning are the
+        #: training thread's, said as it adopts the plan (``announce``).
         self.remade: tuple[tuple[int, ...], Plan, str] | None = None
         self._closed = False
         self._checks: dict[
@@ -492,7 +497,7 @@ class PlanChecker:
             plan = make_plan(profile, budget)  # no search, or one here
         plan = _no_slower(plan, beside)
         self._runner._use(expected, plan)
-        return self._made(plan, verb)
+        return self.announce(plan, verb)
 
     def _remake_off_thread(
         self,
@@ -510,7 +515,7 @@ class PlanChecker:
             except (OSError, RuntimeError, ValueError):
                 return  # closed meanwhile: the process with it
             if not self._closed:
-                self.remade = (expected, plan, self._made(plan, verb))
+                self.remade = (expected, plan, verb)
 
         remaking = threading.Thread(target=in_process, name="tierstore-plan", daemon=True)
         try:
@@ -633,10 +638,15 @@ class PlanChecker:
         plan.predicted_step_s = outcome.step_s
         plan.predicted_peak_bytes = outcome.peak_bytes
         plan.exposed_s = outcome.exposed_s
-        return self._made(plan, "rescaled")
+        return self.announce(plan, "rescaled")
 
-    def _made(self, plan: Plan, verb: str) -> str:
-        """The INFO line of a plan made; the floor warning is set for the caller, once."""
+    def announce(self, plan: Plan, verb: str) -> str:
+        """The INFO line of a plan put in use; the floor warning is set for the caller, once.
+
+        On the training thread: a plan remade off it is announced as the
+        runner adopts it, so a warning never races the caller's reading of
+        ``PlanRunner.warnings``, nor comes for a plan that is not run.
+        """
         budget, profile, asked = plan.budget_bytes, plan.profile, self._runner.asked
         if not plan.fits and not self._warned:
             self._warned = True

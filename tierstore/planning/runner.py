@@ -1023,10 +1023,11 @@ class PlanRunner(StepLimits):
         said, self._said = self._said, None  # a plan remade at once as the step began
         if remade is None:
             return said
-        expected, plan, line = remade
+        expected, plan, verb = remade
         if expected in self._short_since:  # made for more than there is: again
             self._short_since.discard(expected)
             return checker.make(plan.profile, "remade", expected=expected)
+        line = checker.announce(plan, verb)
         self._falling_back = False  # NOTE [ The room a step has ] in planning/room.py
         if self.room is not None and self.room.last is not None:
             plan.room = str(self.room.last)
