@@ -337,8 +337,12 @@ def test_an_error_not_of_memory_drops_the_step_and_counts_nothing(spill_root: Pa
     with pytest.raises(ValueError):
         _step(store, model, 3, inside=True)
     _same(_step(store, model, 3, inside=True), _eager(3))
-    assert runner.excess_bytes == 0
-    assert store.plan() is planned and runner.planned  # the retry followed the same plan
+    # Nothing counted against the plan: its budget stands. (A check of the
+    # step before, over the budget on a busy machine, may have remade it for
+    # that same budget.)
+    assert runner.excess_bytes == 0 and not runner.short_of
+    retried = store.plan()
+    assert retried is not None and retried.budget_bytes == planned.budget_bytes
     store.close()
 
 
@@ -399,7 +403,7 @@ _CHILD = textwrap.dedent(
     out = {}
     store = tierstore.TierStore(tierstore.TierConfig(
         activation_budget=0.1, disk_path=root, min_offload_bytes=0, host_budget=0))
-    want = {s: eager(s, small) for s in range(6)}
+    want = {s: eager(s, small) for s in range(10)}
     big = eager(0, 8 * small)  # the large step once, unlimited: every thread and arena started
     for s in range(3):  # warm-up, profile, plan: the store's threads and pools started too
         step(store, s, small)
@@ -429,8 +433,13 @@ _CHILD = textwrap.dedent(
     out["files"] = sorted(os.listdir(root)) == files
     # find_executable_batch_size's way: the same step, smaller.
     out["retry"] = all(torch.equal(a, b) for a, b in zip(step(store, 3, small), want[3]))
-    for s in range(4, 6):
-        out["later"] = all(torch.equal(a, b) for a, b in zip(step(store, s, small), want[s]))
+    # The plan remade for less (off the thread, the safe placement until):
+    # the steps go on until one runs it.
+    for s in range(4, 10):
+        same = all(torch.equal(a, b) for a, b in zip(step(store, s, small), want[s]))
+        out["later"] = out.get("later", True) and same
+        if store._runner.planned:
+            break
     out["plan"] = store.plan() is not None and store._runner.planned
     gc.collect()
     out["after"] = held(store)
