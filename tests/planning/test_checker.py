@@ -54,11 +54,15 @@ def _planned(runner: PlanRunner, fits: bool = True, sizes: tuple[int, ...] = (MI
 
 
 def _remade(runner: PlanRunner) -> None:
-    """Wait for the plan remade off the training thread."""
+    """Wait for the plan remade off the training thread.
+
+    Ready for the next step boundary, or taken up already: a remake that
+    finished before the step that asked for it returned is adopted there.
+    """
     remaking = runner._checker._remaking
     assert remaking is not None
     remaking.join(60)
-    assert runner._checker.remade is not None
+    assert not remaking.is_alive()
 
 
 def test_within_ten_percent_of_the_budget_nothing_happens() -> None:
@@ -335,7 +339,10 @@ def test_a_step_grown_past_the_budget_is_corrected_at_once_and_warns_within_two_
         assert first is not None and remade is not None and remade is not first
         warned_peak = remade.measured_peak_bytes
     said = [str(w.message) for w in caught if issubclass(w.category, tierstore.TierstoreWarning)]
-    assert kinds == ["-", "-", "planned", "planned", "waiting", "planned", "waiting"], kinds
+    # Step 6 waits for the plan step 5's excess remade, or runs it where it
+    # was ready as step 5 ended (the planning process already running).
+    assert kinds[:6] == ["-", "-", "planned", "planned", "waiting", "planned"], kinds
+    assert kinds[6] in ("waiting", "planned"), kinds
     assert sum(first.bytes_by_choice()[c] for c in ("offload", "rebuild")) == 0
     assert moved[2] == moved[3] == 0 < moved[4]  # the planned steps kept all; the safe one moved
     # Step 3's excess over the first plan's prediction counts in the remade plan.

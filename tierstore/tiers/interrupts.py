@@ -112,10 +112,12 @@ def hold_interrupts() -> None:
     Example:
         >>> import signal
         >>> from tierstore.tiers.interrupts import hold_interrupts, let_go_of_interrupts
+        >>> was = signal.signal(signal.SIGINT, signal.default_int_handler)  # a script's
         >>> hold_interrupts(); signal.getsignal(signal.SIGINT).__name__
         '_interrupted'
         >>> let_go_of_interrupts(); signal.getsignal(signal.SIGINT) is signal.default_int_handler
         True
+        >>> _ = signal.signal(signal.SIGINT, was)
     """
     _users[0] += 1
     if _main[0] or threading.current_thread() is not threading.main_thread():
