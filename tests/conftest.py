@@ -199,6 +199,18 @@ def assert_empty(store: tierstore.TierStore) -> None:
         assert backend.used_bytes == 0
 
 
+def remake_done(runner: PlanRunner) -> None:
+    """Wait for a plan being remade off the training thread, if one is.
+
+    Ready for the next step boundary, or taken up already where it finished
+    before the step that asked for it returned.
+    """
+    remaking = runner._checker._remaking
+    if remaking is not None:
+        remaking.join(60)
+        assert not remaking.is_alive()
+
+
 @pytest.fixture
 def empty_check() -> Callable[[tierstore.TierStore], None]:
     return assert_empty

@@ -32,7 +32,7 @@ from tierstore import codec
 from tierstore.errors import out_of_memory
 from tierstore.models import GPT, GPTConfig
 
-from .conftest import assert_empty, buffers_in_use
+from .conftest import assert_empty, buffers_in_use, remake_done
 
 CONFIG = GPTConfig(vocab=64, d_model=32, heads=2, layers=3, seq=16, dropout=0.1)
 CPU_OOM = (
@@ -189,9 +189,7 @@ def test_out_of_memory_and_retry_leaves_nothing_behind_and_the_retry_completes(
     else:
         # The retry was the profile, with only its own saves: the step's sizes.
         assert store.plan() is None
-    remaking = runner._checker._remaking  # a plan remade off the thread: ready first
-    if remaking is not None:
-        remaking.join()
+    remake_done(runner)  # a plan remade off the thread
     # Back on a plan within a few steps. A step over its plan's budget on a
     # busy machine (two cores shared with other work) runs the next one on the
     # safe placement (NOTE [ A peak above the budget ] in planning/checker.py):
@@ -226,6 +224,7 @@ def test_a_read_short_of_memory_in_backward_counts_what_it_asked_for(
     # 1 MiB asked: counted, or the largest save where that is more.
     largest = max(save.nbytes for save in planned.profile.saves)
     assert runner.excess_bytes == max(1 << 20, largest)
+    remake_done(runner)  # the plan remade for less: taken up at the next step
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tierstore.TierstoreWarning)  # the floor, at 0 B
         for step in range(4, 8):
@@ -301,9 +300,7 @@ def _planned_with_a_read(spill_root: Path) -> tuple[tierstore.TierStore, GPT, An
     planned = store.plan()
     runner = store._runner
     assert planned is not None and runner is not None
-    remaking = runner._checker._remaking  # a check's remake: taken up at the next step
-    if remaking is not None:
-        remaking.join()
+    remake_done(runner)  # a check's remake: taken up at the next step
     return store, model, planned, runner
 
 

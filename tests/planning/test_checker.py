@@ -22,6 +22,8 @@ from tierstore.planning.planner import Plan
 from tierstore.planning.runner import PlanRunner
 from tierstore.tiers.movers import LinkClock
 
+from ..conftest import remake_done
+
 MIB = 1 << 20
 
 
@@ -54,15 +56,9 @@ def _planned(runner: PlanRunner, fits: bool = True, sizes: tuple[int, ...] = (MI
 
 
 def _remade(runner: PlanRunner) -> None:
-    """Wait for the plan remade off the training thread.
-
-    Ready for the next step boundary, or taken up already: a remake that
-    finished before the step that asked for it returned is adopted there.
-    """
-    remaking = runner._checker._remaking
-    assert remaking is not None
-    remaking.join(60)
-    assert not remaking.is_alive()
+    """Wait for the plan remade off the training thread (one must be on its way)."""
+    assert runner._checker._remaking is not None
+    remake_done(runner)
 
 
 def test_within_ten_percent_of_the_budget_nothing_happens() -> None:

@@ -22,6 +22,8 @@ from tierstore.planning.room import ROOM_STEPS, Room
 from tierstore.planning.runner import PlanRunner
 from tierstore.tiers.memory import CudaMemory, MemoryReading
 
+from ..conftest import remake_done
+
 CONFIG = GPTConfig(vocab=64, d_model=64, heads=4, layers=3, seq=32, dropout=0.1)
 GiB = 1 << 30
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)]
@@ -147,9 +149,7 @@ def test_the_budget_follows_a_capacity_that_shrinks_between_steps(
         assert runner.budget == saved // 2
         assert not runner.planned and runner._step is not None and runner._step.waiting
         assert runner.kept() == (0, 0)  # none of the plan's: the safe placement's
-    remaking = runner._checker._remaking
-    if remaking is not None:
-        remaking.join()
+    remake_done(runner)
     for step in range(4, 8):
         with store.offload():
             _same(_step(model, step, device), eager[step])
@@ -218,9 +218,7 @@ def test_auto_on_cuda_follows_a_device_capacity_that_shrinks_between_steps(
         _same(_step(model, 3, "cpu"), eager[3])
         assert runner.budget == saved // 2
         assert not runner.planned and runner._step is not None and runner._step.waiting
-    remaking = runner._checker._remaking
-    if remaking is not None:
-        remaking.join()
+    remake_done(runner)
     for step in range(4, 8):
         with store.offload():
             _same(_step(model, step, "cpu"), eager[step])
