@@ -260,10 +260,6 @@ class _Checks:
     checked: bool = False  # the first planned step was checked alone
     stalled: bool = False  # the first planned step stalled: the next was checked alone
     off: float = 0.0  # how far the last check found the prediction off, if it let it be
-    # The fixed bytes of the last plan remade for a peak above the budget: a plan
-    # that counts them and is over still warns (NOTE [ A peak above the budget ]).
-    peak_fixed: int | None = None
-    peak_excess: int = 0  # the excess those fixed bytes hold, all remakes together
     # NOTE [ The default on trial ]: whether the default was tried; while its step
     # runs, (the plan searched, that plan's step time, the default on trial).
     tried: bool = False
@@ -557,11 +553,13 @@ class PlanChecker:
             allowed = max(allowed, plan.predicted_peak_bytes)
         return peak > allowed * (1 + REFIT_TOLERANCE)
 
-    def _counts_excess(self, plan: Plan) -> bool:
-        """Whether ``plan`` was remade counting the excess of a peak above the budget."""
-        checks = self._checks.get(self._runner._expected)
-        fixed = checks.peak_fixed if checks is not None else None
-        return fixed is not None and plan.profile.fixed_bytes >= fixed
+    @staticmethod
+    def _counts_excess(plan: Plan) -> bool:
+        """Whether ``plan`` was remade counting the excess of a peak above the budget.
+
+        Such a plan that is over still warns (NOTE [ A peak above the budget ]).
+        """
+        return plan.profile.overrun_bytes > 0
 
     def check_peak(self, peak: int) -> str | None:
         """NOTE [ A peak above the budget ]: the safe placement now, a plan remade; a warning.
@@ -574,7 +572,7 @@ class PlanChecker:
         assert plan is not None
         checks = self._checks.setdefault(runner._expected, _Checks())
         if self._counts_excess(plan):
-            self._warn_peak(peak, plan, checks.peak_excess)
+            self._warn_peak(peak, plan)
             if not plan.fits:
                 return None  # no plan holds it: the closest stays, and the floor said so
         checks.times.clear()  # the time checks start again on the plan remade
@@ -583,13 +581,11 @@ class PlanChecker:
         profile = replace(
             was, fixed_bytes=was.fixed_bytes + unseen, overrun_bytes=was.overrun_bytes + unseen
         )
-        checks.peak_fixed = profile.fixed_bytes
-        checks.peak_excess += unseen
         runner.fall_back()  # until the remade plan is in use: made at once, that is now
         return self.remake(profile, plan.budget_bytes)
 
-    def _warn_peak(self, peak: int, plan: Plan, excess: int) -> None:
-        """A plan remade counting ``excess`` bytes more is over the budget still: warn, once."""
+    def _warn_peak(self, peak: int, plan: Plan) -> None:
+        """A plan remade counting what steps held beyond their plan is over still: warn, once."""
         if self._peak_warned:
             return
         self._peak_warned = True
@@ -618,11 +614,11 @@ class PlanChecker:
         else:
             cause = (
                 f"the plan predicted {human_bytes(plan.predicted_peak_bytes)}, counting as "
-                f"bytes that stay the {human_bytes(excess)} an earlier step held beyond its "
-                "plan, and the step holds more still: a link slower than the profile's "
-                "keeps more copies in flight, or the step holds tensors tierstore does not "
-                f"place. Lower activation_budget ({ENV_PREFIX}ACTIVATION_BUDGET) by the "
-                "difference"
+                f"bytes that stay the {human_bytes(plan.profile.overrun_bytes)} an earlier "
+                "step held beyond its plan, and the step holds more still: a link slower "
+                "than the profile's keeps more copies in flight, or the step holds tensors "
+                f"tierstore does not place. Lower activation_budget ({ENV_PREFIX}"
+                "ACTIVATION_BUDGET) by the difference"
             )
         self._runner.warnings.append(head + cause)
 
